@@ -1,0 +1,30 @@
+# Two commands set up a fresh machine and run: `make demo` (the main job) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.overmind-installed
+
+.PHONY: venv demo bench test test-fast clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 first and alone: it is the local CPU wheel. Everything after it finds torch
+# already satisfied, so no CUDA build is ever pulled in.
+$(STAMP): pyproject.toml setup.py csrc/overmind.cpp
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q "setuptools>=64" wheel ninja
+	$(PIP) install -q --no-build-isolation -e ".[hf,test]"
+	$(PY) -c "import torch, overmind.native as n; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert n.HAVE_EXTENSION"
+	touch $(STAMP)
+
+# The main job: cold vs warm load of a model generated on this machine.
+demo: venv
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/core_rebuild.py --runs 3
+
+test: venv
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --timeout=600 tests
+
+clean:
+	rm -rf build src/*.egg-info src/overmind/_C*.so

@@ -1,0 +1,188 @@
+"""Sealed memfd segments: the only module that calls memfd/fcntl/mmap.
+
+A segment is anonymous shared memory (``memfd_create``) that the loader fills once,
+seals, and hands to the server; clients map it copy-on-write::
+
+    seg = Segment.create("unet", nbytes)
+    seg.write_at(0, memoryview_of_bytes)
+    seg.seal()
+    mapping = seg.map_private()          # writable, never shared back
+
+    # in another process of the same user
+    seg = Segment.open_proc(server_pid, server_fd, nbytes)
+
+Note [Sealed segments are immutable]
+``seal()`` adds ``F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL``. After it,
+the kernel refuses ``write(2)``, ``ftruncate`` and any writable ``MAP_SHARED``
+mapping, for every fd of the file, including one reopened through ``/proc``.
+Clients map ``MAP_PRIVATE`` read/write: a write copies the touched page into the
+writer's private memory, so an in-place edit (``weight.mul_()``, LoRA fusing) can
+never reach the server, another process or a later load. Every part of overmind
+that hands out a storage relies on this.
+
+Note [Filling by pwrite]
+Filling by ``pwrite`` beats ``ftruncate`` + ``mmap`` + ``memcpy`` (with or without
+``fallocate`` or ``MADV_POPULATE_WRITE``) here by about 2x: the kernel allocates
+shmem pages inside the write, with no page-table faults. Measured by
+``benchmarks/segment_fill.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import stat
+
+__all__ = ["Segment", "SEAL_ALL", "ALIGNMENT", "align_up", "buffer_at"]
+
+SEAL_ALL = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Storage offsets are page aligned so every tensor starts where the kernel maps a page.
+ALIGNMENT = mmap.PAGESIZE
+# Linux caps one write(2) at 0x7ffff000 bytes.
+_MAX_WRITE = 1 << 30
+
+
+def align_up(value: int, alignment: int = ALIGNMENT) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def buffer_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of memory we do not own (a torch storage), without copying."""
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _oserror(err: OSError, what: str, name: str, hint: str) -> OSError:
+    return OSError(err.errno, f"{what} failed for segment {name!r}: {os.strerror(err.errno or 0)}. {hint}")
+
+
+class Segment:
+    """One memfd. Owns ``fd`` until ``close()``; mappings it returns own themselves."""
+
+    def __init__(self, fd: int, size: int, name: str = "overmind") -> None:
+        if fd < 0:
+            raise ValueError(f"invalid file descriptor {fd} for segment {name!r}")
+        if size < 0:
+            raise ValueError(f"segment size must be >= 0, got {size}")
+        self.fd = fd
+        self.size = size
+        self.name = name
+
+    # -- creation (loader side) -------------------------------------------------
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "Segment":
+        if not isinstance(size, int) or size < 0:
+            raise ValueError(f"segment size must be a non-negative int, got {size!r}")
+        try:
+            fd = os.memfd_create(f"overmind:{name}"[:249], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as err:
+            raise _oserror(err, "memfd_create", name, "Check RLIMIT_NOFILE and that /proc/sys/fs is not exhausted.") from None
+        try:
+            os.ftruncate(fd, size)
+        except OSError as err:
+            os.close(fd)
+            raise _oserror(err, f"ftruncate to {size} bytes", name, "The machine may be out of memory; evict entries or lower the budget.") from None
+        return cls(fd, size, name)
+
+    def write_at(self, offset: int, data) -> None:
+        """Copy ``data`` (any contiguous buffer) into the segment at ``offset``."""
+        view = memoryview(data).cast("B")
+        if offset < 0 or offset + view.nbytes > self.size:
+            raise ValueError(
+                f"write of {view.nbytes} bytes at offset {offset} is outside segment {self.name!r} of {self.size} bytes"
+            )
+        done = 0
+        while done < view.nbytes:
+            chunk = view[done : done + _MAX_WRITE]
+            try:
+                n = os.pwrite(self.fd, chunk, offset + done)
+            except OSError as err:
+                hint = "The segment is sealed; create a new one." if err.errno == errno.EPERM else "The machine may be out of memory."
+                raise _oserror(err, f"pwrite at offset {offset + done}", self.name, hint) from None
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write into segment {self.name!r} at offset {offset + done}")
+            done += n
+
+    def seal(self) -> None:
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEAL_ALL)
+        except OSError as err:
+            raise _oserror(err, "sealing (F_ADD_SEALS)", self.name, "Was the segment created with MFD_ALLOW_SEALING and is no writable MAP_SHARED mapping alive?") from None
+
+    def seals(self) -> int:
+        return fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
+
+    @property
+    def sealed(self) -> bool:
+        return self.seals() & SEAL_ALL == SEAL_ALL
+
+    # -- opening (client side) --------------------------------------------------
+
+    @classmethod
+    def open_proc(cls, pid: int, fd: int, size: int, name: str = "overmind") -> "Segment":
+        """Reopen another process's memfd through ``/proc/<pid>/fd/<fd>``.
+
+        Raises PermissionError when the kernel refuses (other PID namespace, a
+        non-dumpable owner); callers then ask for the fd over the socket instead.
+        """
+        path = f"/proc/{int(pid)}/fd/{int(fd)}"
+        try:
+            # O_RDWR is needed for a writable MAP_PRIVATE mapping; the seals still forbid writes.
+            local = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as err:
+            raise type(err)(err.errno, f"cannot open segment {name!r} through {path}: {os.strerror(err.errno or 0)}. "
+                            "Falling back to SCM_RIGHTS is expected here.") from None
+        seg = cls(local, size, name)
+        try:
+            seg.check(size)
+        except Exception:
+            seg.close()
+            raise
+        return seg
+
+    @classmethod
+    def from_fd(cls, fd: int, size: int, name: str = "overmind") -> "Segment":
+        """Adopt an fd received over a Unix socket (SCM_RIGHTS); checks it is a sealed segment."""
+        seg = cls(fd, size, name)
+        seg.check(size)
+        return seg
+
+    def check(self, size: int) -> None:
+        """Refuse anything but a sealed memfd of the announced size (a wrong fd would map garbage)."""
+        st = os.fstat(self.fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise ValueError(f"fd {self.fd} for segment {self.name!r} is not a {size}-byte memfd (size {st.st_size})")
+        try:
+            seals = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
+        except OSError as err:
+            raise ValueError(f"fd {self.fd} for segment {self.name!r} is not a memfd: {os.strerror(err.errno or 0)}") from None
+        if seals & SEAL_ALL != SEAL_ALL:
+            raise ValueError(f"segment {self.name!r} is not sealed (seals 0x{seals:x}); refusing to map mutable memory")
+
+    def map_private(self) -> mmap.mmap:
+        """Map the whole segment copy-on-write (see Note [Sealed segments are immutable])."""
+        if self.size == 0:
+            raise ValueError(f"segment {self.name!r} is empty; there is nothing to map")
+        try:
+            return mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as err:
+            raise _oserror(err, "mmap(MAP_PRIVATE)", self.name, "Check the address-space limit (ulimit -v).") from None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Segment(name={self.name!r}, fd={self.fd}, size={self.size})"

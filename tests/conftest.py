@@ -1,0 +1,41 @@
+"""Shared fixtures: fresh-interpreter runner, offline Hugging Face environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def child_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OVERMIND_")}
+    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"})
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, *, env: dict | None = None, timeout: float = 180, check: bool = True,
+               user: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (a new process, as a user's script would be)."""
+    argv = [sys.executable, "-c", textwrap.dedent(code)]
+    if user is not None:
+        argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env or child_env(), timeout=timeout, cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"child exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+@pytest.fixture
+def python():
+    return run_python

@@ -1,0 +1,144 @@
+"""overmind.memfd: sealed segments refuse every write path; clients map copy-on-write."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import socket
+
+import pytest
+
+from overmind.memfd import Segment
+
+from ..conftest import run_python
+
+
+@pytest.fixture
+def sealed():
+    seg = Segment.create("test", 2 * mmap.PAGESIZE)
+    seg.write_at(0, b"hello")
+    seg.write_at(mmap.PAGESIZE, b"world")
+    seg.seal()
+    yield seg
+    seg.close()
+
+
+def test_sealed_segment_has_all_seals(sealed):
+    assert sealed.sealed
+
+
+def _assert_write_paths_refused(fd: int) -> None:
+    with pytest.raises(PermissionError):
+        os.pwrite(fd, b"x", 0)
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 0)
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 10 * mmap.PAGESIZE)
+    with pytest.raises(PermissionError):
+        mmap.mmap(fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def test_sealed_segment_refuses_write_truncate_and_shared_writable_map(sealed):
+    _assert_write_paths_refused(sealed.fd)
+
+
+def test_reopened_read_write_through_proc_is_still_sealed(sealed):
+    fd = os.open(f"/proc/{os.getpid()}/fd/{sealed.fd}", os.O_RDWR)
+    try:
+        _assert_write_paths_refused(fd)
+    finally:
+        os.close(fd)
+
+
+def test_private_mapping_is_writable_and_never_reaches_the_segment(sealed):
+    first = sealed.map_private()
+    first[:5] = b"HELLO"
+    second = sealed.map_private()
+    assert second[:5] == b"hello"
+    assert os.pread(sealed.fd, 5, 0) == b"hello"
+    first.close()
+    second.close()
+
+
+def test_another_process_opens_the_segment_through_proc(sealed):
+    out = run_python(f"""
+        from overmind.memfd import Segment
+        seg = Segment.open_proc({os.getpid()}, {sealed.fd}, {sealed.size})
+        m = seg.map_private()
+        m[:5] = b"XXXXX"  # private: never seen by the parent
+        print(bytes(m[{mmap.PAGESIZE}:{mmap.PAGESIZE} + 5]).decode())
+    """).stdout
+    assert out.strip() == "world"
+    assert os.pread(sealed.fd, 5, 0) == b"hello"
+
+
+def test_another_process_receives_the_segment_over_scm_rights(sealed):
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with parent, child:
+        pid = os.fork()
+        if pid == 0:  # child: receive the fd, read, report, exit without running pytest teardown
+            try:
+                parent.close()
+                msg, fds, _, _ = socket.recv_fds(child, 16, 1)
+                seg = Segment.from_fd(fds[0], int(msg.decode()), "received")
+                m = seg.map_private()
+                child.sendall(bytes(m[:5]))
+            finally:
+                os._exit(0)
+        child.close()
+        socket.send_fds(parent, [str(sealed.size).encode()], [sealed.fd])
+        assert parent.recv(5) == b"hello"
+        os.waitpid(pid, 0)
+
+
+def test_open_proc_of_a_missing_fd_is_a_clear_oserror():
+    with pytest.raises(OSError, match="cannot open segment"):
+        Segment.open_proc(os.getpid(), 999_999, 10, "missing")
+
+
+def test_unsealed_or_wrong_size_fd_is_refused():
+    seg = Segment.create("unsealed", mmap.PAGESIZE)
+    try:
+        with pytest.raises(ValueError, match="not sealed"):
+            Segment.from_fd(os.dup(seg.fd), mmap.PAGESIZE)
+        seg.seal()
+        with pytest.raises(ValueError, match="memfd"):
+            Segment.from_fd(os.dup(seg.fd), 3 * mmap.PAGESIZE)
+    finally:
+        seg.close()
+
+
+def test_a_regular_file_is_not_accepted_as_a_segment(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10)
+    fd = os.open(path, os.O_RDWR)
+    with pytest.raises(ValueError, match="not a memfd"):
+        Segment.from_fd(fd, 10)
+    os.close(fd)
+
+
+@pytest.mark.parametrize("size", [-1, 1.5, "10"])
+def test_bad_sizes_are_refused(size):
+    with pytest.raises(ValueError):
+        Segment.create("bad", size)
+
+
+def test_write_outside_the_segment_is_refused():
+    seg = Segment.create("small", 8)
+    with pytest.raises(ValueError, match="outside"):
+        seg.write_at(4, b"123456789")
+    seg.close()
+
+
+def test_write_after_seal_is_a_clear_oserror(sealed):
+    with pytest.raises(OSError) as info:
+        sealed.write_at(0, b"x")
+    assert info.value.errno == errno.EPERM and "sealed" in str(info.value)
+
+
+def test_mapping_an_empty_segment_is_refused():
+    seg = Segment.create("empty", 0)
+    with pytest.raises(ValueError, match="empty"):
+        seg.map_private()
+    seg.close()

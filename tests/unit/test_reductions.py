@@ -1,0 +1,292 @@
+"""overmind.reductions: pickling through sealed segments, zero-copy and isolated."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import pickle
+
+import psutil
+import pytest
+import torch
+
+from overmind.memfd import Segment
+from overmind.reductions import pack, unpack
+
+from ..conftest import run_python
+
+
+def rebuild(packed):
+    mappings = packed.map_private()
+    return unpack(packed.skeleton, mappings), mappings
+
+
+def mapping_ranges(mappings) -> list[tuple[int, int]]:
+    out = []
+    for m in mappings:
+        if m is not None:
+            base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            out.append((base, base + len(m)))
+    return out
+
+
+def inside(ranges, tensor) -> bool:
+    return any(lo <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= hi for lo, hi in ranges)
+
+
+def open_in_child(packed) -> str:
+    """Python expression, for a child process, that maps ``packed``'s segments through /proc."""
+    return (f"[None if h is None else Segment.open_proc({os.getpid()}, h[0], h[1]).map_private() "
+            f"for h in {packed.handles()!r}]")
+
+
+ALL_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_round_trips_bit_exactly(dtype):
+    src = (torch.randn(7, 5) * 4).to(dtype) if dtype != torch.bool else torch.rand(7, 5) > 0.5
+    packed = pack({"t": src})
+    again, _ = rebuild(packed)
+    assert again["t"].dtype == dtype
+    assert torch.equal(again["t"].view(torch.uint8), src.view(torch.uint8))
+
+
+def test_views_offsets_strides_and_shared_storage_survive():
+    base = torch.arange(100, dtype=torch.float32)
+    obj = {
+        "base": base,
+        "slice": base[10:30],
+        "strided": base.view(10, 10).t(),
+        "narrow": base.view(10, 10)[2:5, 3:9],
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(3.5),
+    }
+    packed = pack(obj)
+    assert packed.storages == 3  # base storage once, plus the empty and the scalar
+    again, _ = rebuild(packed)
+    for key, value in obj.items():
+        assert torch.equal(again[key], value), key
+        assert again[key].stride() == value.stride() and again[key].storage_offset() == value.storage_offset()
+    assert again["slice"].untyped_storage().data_ptr() == again["base"].untyped_storage().data_ptr()
+    again["base"][15] = -1
+    assert again["slice"][5] == -1  # still one storage after the round trip
+
+
+def test_parameters_keep_type_and_requires_grad():
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    trained = torch.nn.Parameter(torch.ones(3))
+    grad_tensor = torch.ones(2).requires_grad_()
+    again, _ = rebuild(pack([frozen, trained, grad_tensor]))
+    assert type(again[0]) is torch.nn.Parameter and not again[0].requires_grad
+    assert type(again[1]) is torch.nn.Parameter and again[1].requires_grad
+    assert type(again[2]) is torch.Tensor and again[2].requires_grad
+
+
+def test_tied_weights_stay_tied():
+    from overmind.modelgen import build_lm
+
+    model = build_lm("tiny")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    again, _ = rebuild(pack(model))
+    assert again.lm_head.weight is again.model.embed_tokens.weight
+
+
+def test_untyped_and_typed_storages_and_subclass_tensors_round_trip():
+    class Tagged(torch.Tensor):
+        pass
+
+    storage = torch.arange(8, dtype=torch.int16).untyped_storage()
+    sub = torch.arange(4.0).as_subclass(Tagged)
+    hooked = torch.arange(3.0)
+    hooked.note = "extra state"  # a __dict__ sends the tensor through torch's own reduction
+    again, mappings = rebuild(pack({"storage": storage, "typed": torch.arange(3.0).storage(), "hooked": hooked}))
+    assert bytes(again["storage"]) == bytes(storage)
+    assert again["typed"].dtype == torch.float32 and list(again["typed"]) == [0.0, 1.0, 2.0]
+    assert again["hooked"].note == "extra state" and torch.equal(again["hooked"], hooked)
+    assert inside(mapping_ranges(mappings), again["hooked"])
+    del sub
+
+
+def test_objects_stdlib_pickle_cannot_handle_fall_back_to_dill():
+    scale = 3
+
+    obj = {"fn": lambda x: x * scale, "w": torch.ones(4)}
+    packed = pack(obj)
+    assert packed.pickler == "dill"
+    again, _ = rebuild(packed)
+    assert again["fn"](2) == 6 and torch.equal(again["w"], obj["w"])
+
+
+def test_every_rebuilt_storage_lies_inside_the_mapping():
+    from overmind.modelgen import build_unet
+
+    again, mappings = rebuild(pack(build_unet("tiny")))
+    ranges = mapping_ranges(mappings)
+    tensors = [t for t in again.state_dict().values() if t.numel()]
+    assert tensors and all(inside(ranges, t) for t in tensors)
+
+
+def test_storages_are_spread_over_one_segment_per_fill_thread():
+    packed = pack([torch.ones(1 << 20) for _ in range(6)], writers=2)
+    assert len(packed.segments) == 2 and all(seg is not None and seg.sealed for seg in packed.segments)
+    again, _ = rebuild(packed)
+    assert all(torch.equal(t, torch.ones(1 << 20)) for t in again)
+
+
+def test_rebuilding_a_1gb_model_does_not_copy_its_bytes():
+    """Zero copy, proven on RSS: 1 GiB of weights rebuilt raise RSS by < 5% before first use."""
+    layers = [torch.nn.Linear(4096, 4096, bias=False, dtype=torch.float16) for _ in range(32)]  # 1 GiB
+    model = torch.nn.Sequential(*layers)
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.fill_(0.5)
+    nbytes = sum(p.nbytes for p in model.parameters())
+    assert nbytes >= 1 << 30
+    packed = pack(model)
+    del model, layers
+    gc.collect()
+    out = run_python(f"""
+        import json, psutil, torch, ctypes
+        from overmind.memfd import Segment
+        from overmind.reductions import unpack
+        skeleton = open({_dump_skeleton(packed)!r}, "rb").read()
+        rss0 = psutil.Process().memory_info().rss
+        mappings = {open_in_child(packed)}
+        model = unpack(skeleton, mappings)
+        rss1 = psutil.Process().memory_info().rss
+        ranges = [(ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m)) for m in mappings if m is not None]
+        inside = all(any(b <= p.data_ptr() < b + n for b, n in ranges) for p in model.parameters())
+        first = float(model[0].weight[0, 0])
+        print(json.dumps([rss1 - rss0, inside, first]))
+    """).stdout
+    import json
+
+    rss_delta, inside, first = json.loads(out.strip().splitlines()[-1])
+    packed.close()
+    assert inside and first == 0.5
+    assert rss_delta < 0.05 * nbytes, f"RSS grew by {rss_delta} bytes for {nbytes} bytes of weights"
+
+
+_skeleton_files: list[str] = []
+
+
+def _dump_skeleton(packed) -> str:
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".skeleton")
+    os.write(fd, packed.skeleton)
+    os.close(fd)
+    _skeleton_files.append(path)
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cleanup_skeletons():
+    yield
+    for path in _skeleton_files:
+        os.unlink(path)
+
+
+def test_in_place_edits_are_invisible_to_other_rebuilds_and_processes():
+    from overmind.modelgen import build_unet
+
+    model = build_unet("tiny")
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    packed = pack(model)
+    edited, _ = rebuild(packed)
+    with torch.no_grad():
+        edited.conv_in.weight.data.mul_(0)
+        edited.load_state_dict({k: torch.full_like(v, 7) for k, v in edited.state_dict().items()})
+    edited.fuse_qkv_projections()
+    second, _ = rebuild(packed)
+    for key, value in second.state_dict().items():
+        assert torch.equal(value, reference[key]), key
+    # ...and in another process, the segment still holds the original bytes.
+    expected = sum(float(v.double().sum()) for v in reference.values())
+    out = run_python(f"""
+        from overmind.memfd import Segment
+        from overmind.reductions import unpack
+        skeleton = open({_dump_skeleton(packed)!r}, "rb").read()
+        model = unpack(skeleton, {open_in_child(packed)})
+        print(repr(sum(float(v.double().sum()) for v in model.state_dict().values())))
+    """).stdout
+    assert float(out.strip().splitlines()[-1]) == expected
+
+
+def test_real_models_give_bit_identical_outputs_in_a_fresh_process():
+    """A diffusers UNet and VAE and a transformers causal LM, rebuilt in another process."""
+    from overmind.modelgen import build_lm, build_unet, build_vae
+
+    torch.manual_seed(0)
+    models = {"unet": build_unet("tiny", seed=1), "vae": build_vae("tiny", seed=2), "lm": build_lm("tiny", seed=3)}
+    inputs = {
+        "unet": (torch.randn(1, 4, 16, 16), torch.tensor([10]), torch.randn(1, 3, 32)),
+        "vae": torch.randn(1, 3, 32, 32),
+        "lm": torch.randint(0, 512, (1, 12)),
+    }
+    with torch.no_grad():
+        expected = {
+            "unet": models["unet"](*inputs["unet"]).sample,
+            "vae": models["vae"](inputs["vae"]).sample,
+            "lm": models["lm"](inputs["lm"]).logits,
+        }
+    packed = pack(models)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save({"inputs": inputs, "expected": expected}, f"{tmp}/io.pt")
+        out = run_python(f"""
+            import torch
+            from overmind.memfd import Segment
+            from overmind.reductions import unpack
+            skeleton = open({_dump_skeleton(packed)!r}, "rb").read()
+            models = unpack(skeleton, {open_in_child(packed)})
+            data = torch.load("{tmp}/io.pt")
+            inputs, expected = data["inputs"], data["expected"]
+            with torch.no_grad():
+                got = {{
+                    "unet": models["unet"](*inputs["unet"]).sample,
+                    "vae": models["vae"](inputs["vae"]).sample,
+                    "lm": models["lm"](inputs["lm"]).logits,
+                }}
+            for k in expected:
+                assert torch.equal(got[k], expected[k]), k
+            print(type(models["unet"]).__name__, type(models["vae"]).__name__, type(models["lm"]).__name__)
+        """).stdout
+    assert out.split() == ["UNet2DConditionModel", "AutoencoderKL", "LlamaForCausalLM"]
+
+
+@pytest.mark.parametrize(
+    "skeleton",
+    [b"", b"garbage", pickle.dumps(("overmind-skeleton-0", [], [], b"")), pickle.dumps(42)],
+    ids=["empty", "garbage", "old-format", "not-a-tuple"],
+)
+def test_bad_skeletons_raise_a_clear_error(skeleton):
+    with pytest.raises((pickle.UnpicklingError, EOFError)):
+        unpack(skeleton, [])
+
+
+def test_storage_outside_its_segment_is_refused():
+    packed = pack({"w": torch.ones(1024)}, writers=1)
+    mapping = packed.segments[0].map_private()
+    fmt, storages, objects, payload = pickle.loads(packed.skeleton)
+    bad = pickle.dumps((fmt, [(0, 0, 10 * len(mapping), "cpu")], objects, payload))
+    with pytest.raises(pickle.UnpicklingError, match="outside"):
+        unpack(bad, [mapping])
+    with pytest.raises(pickle.UnpicklingError, match="segment"):
+        unpack(packed.skeleton, [])
+
+
+def test_unpack_refuses_a_non_bytes_skeleton():
+    with pytest.raises(TypeError):
+        unpack(12, [])
+
+
+def test_meta_tensors_cannot_be_cached():
+    with pytest.raises(pickle.PicklingError, match="meta"):
+        pack({"t": torch.empty(3, device="meta").untyped_storage()})
