@@ -101,6 +101,12 @@ class TypedStorageRef(NamedTuple):
     dtype: Optional[str]  # None: an UntypedStorage
 
 
+class ExternalRef(NamedTuple):
+    """An object the unpickling side already has (an argument it passed in, ``vae=vae``)."""
+
+    key: str
+
+
 # Locates a storage that already lives in a sealed segment (stored once, DESIGN invariant 6):
 # (data_ptr, nbytes) -> (segment index, offset) or None.
 Locator = Callable[[int, int], Optional[tuple[int, int]]]
@@ -200,8 +206,10 @@ class _SegmentWriter:
 class _Tables:
     """Pickling state: storage placement and the object table."""
 
-    def __init__(self, name: str, locate: Optional[Locator], writers: int) -> None:
+    def __init__(self, name: str, locate: Optional[Locator], writers: int,
+                 references: Optional[dict[int, str]] = None) -> None:
         self.locate = locate
+        self.references = references or {}
         self.writers = [_SegmentWriter(f"{name}.{i}") for i in range(max(1, writers))]
         self.storages: list[StorageRef] = []
         self.storage_index: dict[tuple[int, int, str], int] = {}
@@ -266,6 +274,10 @@ class _SkeletonPickling:
     _tables: _Tables
 
     def persistent_id(self, obj):  # pickle hook, called for every object
+        if self._tables.references:
+            key = self._tables.references.get(id(obj))
+            if key is not None:
+                return self._tables.add_object(("r", key), ExternalRef(key), obj)
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:
             return self._tensor(obj, cls is torch.nn.Parameter)
@@ -320,13 +332,16 @@ def default_writers() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-def pack(obj, name: str = "overmind", locate: Optional[Locator] = None, writers: Optional[int] = None) -> Packed:
+def pack(obj, name: str = "overmind", locate: Optional[Locator] = None, writers: Optional[int] = None,
+         references: Optional[dict[int, str]] = None) -> Packed:
     """Pickle ``obj`` with its storages copied into one new sealed segment.
 
     Stdlib pickle first; if it cannot handle an object (local functions, lambdas),
     the whole object is pickled again with dill, reusing the storages already copied.
+    ``references`` maps ``id(object)`` to a key for objects the unpickling side will
+    supply itself (``unpack(..., references={key: object})``).
     """
-    tables = _Tables(name, locate, writers or default_writers())
+    tables = _Tables(name, locate, writers or default_writers(), references)
     payload = io.BytesIO()
     used = "pickle"
     try:
@@ -371,7 +386,7 @@ def _build_storages(storages: list, views: Sequence[Optional[memoryview]], map_l
     return built
 
 
-def _build_objects(objects: list, storages: list) -> list:
+def _build_objects(objects: list, storages: list, references: dict) -> list:
     dtypes: dict[str, torch.dtype] = {}
 
     def dtype_of(name: str) -> torch.dtype:
@@ -392,6 +407,11 @@ def _build_objects(objects: list, storages: list) -> list:
             untyped = storages[storage]
             built[slot] = untyped if dtype_name is None else torch.storage.TypedStorage(
                 wrap_storage=untyped, dtype=dtype_of(dtype_name), _internal=True)
+        elif kind == "ExternalRef":
+            try:
+                built[slot] = references[record[0]]
+            except KeyError:
+                raise pickle.UnpicklingError(f"skeleton refers to object {record[0]!r}, which was not supplied") from None
         else:
             raise pickle.UnpicklingError(f"unknown object record {kind!r} in a skeleton")
     try:
@@ -403,7 +423,8 @@ def _build_objects(objects: list, storages: list) -> list:
     return built
 
 
-def unpack(skeleton: bytes, mappings: Sequence[Optional[mmap.mmap]], map_location: Optional[str] = None):
+def unpack(skeleton: bytes, mappings: Sequence[Optional[mmap.mmap]], map_location: Optional[str] = None,
+           references: Optional[dict] = None):
     """Rebuild the object pickled by :func:`pack`. See Note [Parallel fill]
 Filling shared memory is bound by the kernel allocating shmem pages, and two
 threads writing into one memfd contend on its inode. Each fill thread therefore owns
@@ -427,7 +448,7 @@ Note [One mapping per load]."""
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        objects = _build_objects(object_table, _build_storages(storage_table, views, map_location))
+        objects = _build_objects(object_table, _build_storages(storage_table, views, map_location), references or {})
         unpickler = pickle.Unpickler(io.BytesIO(payload))
         unpickler.persistent_load = objects.__getitem__  # C-level lookup, see Note [Tensors as table entries]
         return unpickler.load()

@@ -1,0 +1,304 @@
+"""overmind's user API: one line makes every later model load near-instant.
+
+    import overmind.api
+    overmind.api.monkey_patch_all()
+
+    from diffusers import StableDiffusionPipeline
+    pipe = StableDiffusionPipeline.from_pretrained(path)   # the 2nd time, on any process: milliseconds
+
+or, without patching, ``overmind.api.load(UNet2DConditionModel.from_pretrained, path)``.
+
+``monkey_patch_all()`` imports none of the libraries it patches: each patch is applied
+when the user's own code imports its module. ``unpatch_all()`` restores everything.
+Environment: ``OVERMIND_DISABLE=1`` (patch nothing), ``OVERMIND_STRICT=1`` (raise
+instead of falling back to a plain load), ``OVERMIND_TIMEOUT`` (seconds),
+``OVERMIND_PATCH`` (extra ``module::Qualname.attr`` points); see ``overmind.config``.
+
+Note [Never worse than no cache]
+If anything on the cache path fails (no server, a timeout, a garbled reply, a loader
+that raised), the original loader runs in the calling process and one warning per
+process says why. A call whose arguments cannot be keyed (``overmind.calls``) goes
+straight to the original without a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import sys
+import threading
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from overmind import patching
+from overmind.calls import Target, Uncacheable, encode_call
+from overmind.config import Config
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["load", "monkey_patch_all", "unpatch_all", "is_patched", "get_original", "OvermindError",
+           "DEFAULT_PATCH_POINTS", "fetch_entry"]
+
+DEFAULT_PATCH_POINTS = (
+    "diffusers.pipelines.pipeline_utils::DiffusionPipeline.from_pretrained",
+    "diffusers.models.modeling_utils::ModelMixin.from_pretrained",
+    "diffusers.schedulers.scheduling_utils::SchedulerMixin.from_pretrained",
+    "diffusers.loaders.single_file::FromSingleFileMixin.from_single_file",
+    "diffusers.loaders.single_file_model::FromOriginalModelMixin.from_single_file",
+    "transformers.modeling_utils::PreTrainedModel.from_pretrained",
+    "transformers.tokenization_utils_base::PreTrainedTokenizerBase.from_pretrained",
+    "transformers.models.auto.processing_auto::AutoProcessor.from_pretrained",
+    "transformers.models.auto.image_processing_auto::AutoImageProcessor.from_pretrained",
+    "transformers.models.auto.feature_extraction_auto::AutoFeatureExtractor.from_pretrained",
+    "transformers.models.auto.tokenization_auto::AutoTokenizer.from_pretrained",
+    "transformers.pipelines::pipeline",
+    "torch::load",
+    "torch.jit::load",
+    "safetensors.torch::load_file",
+)
+CONFIG_FILE = "overmind.cfg"
+
+
+class OvermindError(RuntimeError):
+    """Raised instead of falling back when ``OVERMIND_STRICT=1``."""
+
+
+# -- objects overmind returned: id -> (weakref, key), so they can travel as references ----------
+
+_origins: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def origin_of(obj: Any) -> Optional[str]:
+    item = _origins.get(id(obj))
+    if item is not None and item[0]() is obj:
+        return item[1]
+    return None
+
+
+def _remember(obj: Any, key: str) -> None:
+    ident = id(obj)
+
+    def forget(ref: weakref.ref, ident: int = ident) -> None:
+        if _origins.get(ident, (None,))[0] is ref:
+            del _origins[ident]
+
+    try:
+        _origins[ident] = (weakref.ref(obj, forget), key)
+    except TypeError:
+        pass  # dicts and lists cannot be weakly referenced; they just cannot travel as references
+
+
+# -- the cache path ---------------------------------------------------------------------------
+
+_local = threading.local()
+_warned = False
+_warn_lock = threading.Lock()
+
+
+def _connection(config: Config, timeout: float):
+    from overmind.client import Connection
+
+    conn = getattr(_local, "conn", None)
+    if conn is None or conn.config != config:
+        conn = Connection.open(config, timeout=timeout)
+        _local.conn = conn
+    return conn
+
+
+def _drop_connection() -> None:
+    conn = getattr(_local, "conn", None)
+    _local.conn = None
+    if conn is not None:
+        conn.close()
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    with _warn_lock:
+        if _warned:
+            logger.info("%s", message)
+            return
+        _warned = True
+    warnings.warn(f"overmind: {message}; loading without the cache", RuntimeWarning, stacklevel=4)
+
+
+def _add_sys_path(paths: Iterable[str]) -> None:
+    for path in paths:
+        if isinstance(path, str) and path not in sys.path:
+            sys.path.append(path)
+
+
+def _rebuild(conn, reply, skeleton: bytes, references: dict) -> Any:
+    from overmind.reductions import unpack
+
+    _add_sys_path(reply.meta.get("sys_path_extra", []))
+    mappings = conn.map_segments(reply)
+    return unpack(skeleton, mappings, references=references)
+
+
+def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] = None) -> Any:
+    """Rebuild an existing entry by key (loaders use this for ``vae=vae`` arguments)."""
+    from overmind import protocol as P
+    from overmind.client import Connection
+
+    config = Config.from_env()
+    if holder is not None and holder:
+        conn = holder[0]
+    else:
+        conn = Connection.open(config, role="loader", autostart=False)
+        if holder is not None:
+            holder.append(conn)
+    seen = {} if _seen is None else _seen
+    if key in seen:
+        return seen[key]
+    reply, skeleton = conn.load(P.Load(key, "", "reference", {}, lookup_only=True), b"")
+    references = {k: fetch_entry(k, [conn], seen) for k in reply.meta.get("references", [])}
+    obj = _rebuild(conn, reply, skeleton, references)
+    seen[key] = obj
+    _remember(obj, key)
+    return obj
+
+
+def _context() -> dict:
+    from overmind.loader_pool import ENV_NAMES, ENV_PREFIXES
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    return {"python": sys.executable, "cwd": os.getcwd(), "sys_path": list(sys.path), "env": env}
+
+
+def _load_target(target: Target, args: tuple, kwargs: dict) -> Any:
+    config = Config.from_env()
+    if config.disable:
+        return target.original(*args, **kwargs)
+    try:
+        call = encode_call(target, args, kwargs, origin_of)
+    except Uncacheable as why:
+        logger.debug("not caching %s: %s", target.name, why)
+        return target.original(*args, **kwargs)
+    try:
+        obj = _fetch(config, target, call)
+    except Exception as err:
+        _drop_connection()
+        if config.strict:
+            raise OvermindError(f"overmind could not load {call.description}: {err}") from err
+        _warn_once(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} ({call.description})")
+        return target.original(*args, **kwargs)
+    _remember(obj, call.key)
+    return obj
+
+
+def _fetch(config: Config, target: Target, call) -> Any:
+    import time
+
+    from overmind import protocol as P
+
+    deadline = time.monotonic() + config.timeout
+    conn = _connection(config, config.timeout)
+    request = P.Load(call.key, target.name, call.description, _context(), call.refs, modules=target.modules)
+    reply, skeleton = conn.load(request, call.blob, timeout=max(0.1, deadline - time.monotonic()))
+    references = dict(call.ref_objects)
+    for key in reply.meta.get("references", []):
+        if key not in references:
+            references[key] = fetch_entry(key, [conn])
+    return _rebuild(conn, reply, skeleton, references)
+
+
+def load(fn: Callable, *args, **kwargs) -> Any:
+    """Call ``fn(*args, **kwargs)`` through the cache (``fn`` must be importable by name)."""
+    fn = patching.get_original(*_point_of(fn)) if _is_wrapper(fn) else fn
+    try:
+        target = Target.of(fn)
+    except Uncacheable:
+        return fn(*args, **kwargs)
+    return _load_target(target, args, kwargs)
+
+
+def _is_wrapper(fn: Callable) -> bool:
+    return getattr(getattr(fn, "__func__", fn), "__overmind_point__", None) is not None
+
+
+def _point_of(fn: Callable) -> tuple[str, str]:
+    point = getattr(getattr(fn, "__func__", fn), "__overmind_point__")
+    return point.module, point.qualname
+
+
+# -- patching ---------------------------------------------------------------------------------
+
+
+def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod: bool) -> Callable:
+    attr = point.qualname.rsplit(".", 1)[-1]
+    if is_classmethod:
+        @functools.wraps(original)
+        def classmethod_wrapper(cls, *args, **kwargs):
+            bound = original.__get__(cls, cls) if hasattr(original, "__get__") else functools.partial(original, cls)
+            return _load_target(Target("class", cls, attr, bound), args, kwargs)
+
+        classmethod_wrapper.__overmind_point__ = point  # type: ignore[attr-defined]
+        return classmethod_wrapper
+
+    @functools.wraps(original)
+    def function_wrapper(*args, **kwargs):
+        return _load_target(Target("module", point.module, point.qualname, original), args, kwargs)
+
+    function_wrapper.__overmind_point__ = point  # type: ignore[attr-defined]
+    return function_wrapper
+
+
+def _config_file_points(start: Optional[Path]) -> list[patching.PatchPoint]:
+    """``overmind.cfg`` beside the calling module and beside each enclosing package."""
+    points: list[patching.PatchPoint] = []
+    directory = start
+    while directory is not None:
+        candidate = directory / CONFIG_FILE
+        if candidate.is_file():
+            try:
+                points.extend(patching.parse_patch_specs(candidate.read_text()))
+            except ValueError as err:
+                raise ValueError(f"{candidate}: {err}") from None
+        if not (directory / "__init__.py").exists():
+            break
+        directory = directory.parent
+    return points
+
+
+def monkey_patch_all(extra: Iterable[str] = ()) -> None:
+    """Patch every default load point, plus ``overmind.cfg`` and ``OVERMIND_PATCH`` points.
+
+    Idempotent; imports none of the patched libraries (see the module docstring).
+    """
+    config = Config.from_env()
+    if config.disable:
+        return
+    caller = inspect.currentframe()
+    caller_file = caller.f_back.f_globals.get("__file__") if caller and caller.f_back else None
+    start = Path(caller_file).resolve().parent if caller_file else Path.cwd()
+    points = [patching.PatchPoint.parse(p) for p in DEFAULT_PATCH_POINTS]
+    points += _config_file_points(start)
+    points += patching.parse_patch_specs(config.patch) if config.patch.strip() else []
+    points += [patching.PatchPoint.parse(p) for p in extra]
+    patching.patch(points, _make_wrapper)
+
+
+def unpatch_all() -> None:
+    patching.unpatch_all()
+
+
+def is_patched(point_or_obj: Any = None) -> bool:
+    """True if ``point_or_obj`` (a patch point or function) is patched; without an argument, if any is."""
+    if point_or_obj is None:
+        return bool(patching.patched_points() or patching.pending_points())
+    if isinstance(point_or_obj, str):
+        point_or_obj = patching.PatchPoint.parse(point_or_obj)
+    return patching.is_patched(point_or_obj)
+
+
+def get_original(module: str, qualname: Optional[str] = None) -> Callable:
+    """The unpatched function: ``get_original("torch", "load")`` or ``get_original("torch::load")``."""
+    if qualname is None:
+        point = patching.PatchPoint.parse(module)
+        module, qualname = point.module, point.qualname
+    return patching.get_original(module, qualname)

@@ -1,0 +1,270 @@
+"""A loader call as it travels to a loader process, and the cache key it maps to.
+
+    target = Target.of(UNet2DConditionModel.from_pretrained)
+    call = encode_call(target, (path,), {"torch_dtype": torch.float16}, origin_of)
+    call.key, call.blob, call.refs
+
+The blob is a pickle of ``(target spec, args, kwargs)``; objects that overmind
+returned earlier (``vae=vae``) travel as ``("entry", key)`` persistent ids and the
+loader rebuilds them from the cache. The key hashes (xxh3-128) that same pickle
+together with a fingerprint of every local file the arguments name and of the
+library versions, so a changed file or an upgraded library is a miss.
+
+Note [What cannot be cached]
+A call goes straight to the original loader when an argument has no stable
+identity: a tensor, a file-like object, a function or other callable (a callable
+``map_location``), a model that overmind did not load, or anything pickle cannot
+reach by reference. Such a call raises :class:`Uncacheable` here, never in the
+loader.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import pickle
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+__all__ = ["Target", "EncodedCall", "Uncacheable", "encode_call", "decode_call", "fingerprint_paths",
+           "library_versions", "hub_snapshot"]
+
+PICKLE_PROTOCOL = 5
+KEY_VERSION = "overmind-key-1"
+_LIBRARIES = ("torch", "diffusers", "transformers", "accelerate", "bitsandbytes", "safetensors", "overmind")
+
+
+class Uncacheable(Exception):
+    """The call cannot be keyed; call the original loader (Note [What cannot be cached])."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """The original loader: ``getattr(owner, attr)`` in a process where nothing is patched."""
+
+    kind: str  # "class" (owner is a class) or "module" (owner is a module name)
+    owner: Any
+    attr: str
+    original: Callable = field(compare=False, repr=False)
+
+    @classmethod
+    def of(cls, fn: Callable) -> "Target":
+        """Best-effort target for ``overmind.api.load(fn, ...)`` with an arbitrary callable."""
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, type):  # a classmethod bound to a class
+            return cls("class", owner, fn.__name__, fn)
+        module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+        if owner is not None or not module or not qualname or "<" in qualname:
+            raise Uncacheable(f"{fn!r} is not importable by name")
+        return cls("module", module, qualname, fn)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "class":
+            return f"{self.owner.__module__}:{self.owner.__qualname__}.{self.attr}"
+        return f"{self.owner}:{self.attr}"
+
+    @property
+    def modules(self) -> list[str]:
+        return [self.owner.__module__ if self.kind == "class" else self.owner]
+
+    def spec(self) -> tuple:
+        return (self.kind, self.owner, self.attr)
+
+
+def resolve_target(spec: tuple) -> Callable:
+    kind, owner, attr = spec
+    if kind == "module":
+        obj: Any = importlib.import_module(owner)
+    elif kind == "class":
+        obj = owner
+    else:
+        raise ValueError(f"unknown target kind {kind!r}")
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass
+class EncodedCall:
+    key: str
+    blob: bytes
+    refs: list[str]
+    description: str
+    paths: list[str]
+    ref_objects: dict = field(default_factory=dict)  # key -> the caller's object, for ExternalRefs
+
+
+def _is_torch_data(obj) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.storage.TypedStorage))
+
+
+class _CallPickler(pickle.Pickler):
+    def __init__(self, file, origin_of: Callable[[Any], Optional[str]]) -> None:
+        super().__init__(file, protocol=PICKLE_PROTOCOL)
+        self.origin_of = origin_of
+        self.refs: list[str] = []
+        self.ref_objects: dict[str, Any] = {}
+
+    def persistent_id(self, obj):
+        if obj is None or isinstance(obj, (str, int, float, bool, bytes)):
+            return None
+        key = self.origin_of(obj)
+        if key is not None:
+            if key not in self.refs:
+                self.refs.append(key)
+                self.ref_objects[key] = obj
+            return ("entry", key)
+        if _is_torch_data(obj):
+            raise Uncacheable(f"a {type(obj).__name__} argument")
+        if isinstance(obj, io.IOBase) or (hasattr(obj, "read") and hasattr(obj, "seek")):
+            raise Uncacheable(f"a file-like argument ({type(obj).__name__})")
+        if callable(obj) and not isinstance(obj, type):
+            raise Uncacheable(f"a callable argument ({type(obj).__name__}) that overmind did not load")
+        return None
+
+
+def _normalise(value):
+    """Relative paths that exist become absolute (the key must not depend on the cwd)."""
+    if isinstance(value, Path):
+        return Path(os.path.abspath(value)) if value.exists() else value
+    if isinstance(value, str) and value and not os.path.isabs(value) and os.path.exists(value):
+        return os.path.abspath(value)
+    if isinstance(value, list):
+        return [_normalise(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_normalise(v) for v in value)
+    return value
+
+
+def _local_paths(values) -> list[str]:
+    out: list[str] = []
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            out.extend(_local_paths(value))
+        elif isinstance(value, (str, Path)) and str(value) and os.path.isabs(value) and os.path.exists(value):
+            out.append(str(value))
+    return out
+
+
+def _hub_cache() -> Path:
+    env = os.environ
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"])
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]) / "hub"
+    return Path(env.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface" / "hub"
+
+
+def hub_snapshot(repo_id: str, revision: Optional[str] = None) -> Optional[Path]:
+    """The local snapshot folder a hub id resolves to, or None if it is not cached."""
+    if repo_id.count("/") != 1 or os.path.exists(repo_id):
+        return None
+    repo = _hub_cache() / ("models--" + repo_id.replace("/", "--"))
+    revision = revision or "main"
+    ref = repo / "refs" / revision
+    try:
+        commit = ref.read_text().strip() if ref.is_file() else revision
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if snapshot.is_dir() else None
+
+
+def fingerprint_paths(paths: list[str]) -> list[tuple]:
+    """(path, size, mtime_ns, inode, device) of every file under ``paths`` (symlinks followed)."""
+    out: list[tuple] = []
+    for path in sorted(set(paths)):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        out.append((path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
+        if os.path.isdir(path):
+            for root, dirs, files in os.walk(path):
+                dirs.sort()
+                for name in sorted(files):
+                    full = os.path.join(root, name)
+                    try:
+                        st = os.stat(full)
+                    except OSError:
+                        continue
+                    out.append((full, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
+    return out
+
+
+_versions: Optional[tuple] = None
+
+
+def library_versions() -> tuple:
+    global _versions
+    if _versions is None:
+        from importlib import metadata
+
+        found = []
+        for name in _LIBRARIES:
+            try:
+                found.append((name, metadata.version(name)))
+            except metadata.PackageNotFoundError:
+                found.append((name, None))
+        _versions = (sys.version_info[:3], tuple(found))
+    return _versions
+
+
+def _describe(target: Target, args: tuple, kwargs: dict) -> str:
+    def short(v):
+        text = repr(v)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    parts = [short(a) for a in args] + [f"{k}={short(v)}" for k, v in kwargs.items()]
+    return f"{target.name}({', '.join(parts)})"[:300]
+
+
+def encode_call(target: Target, args: tuple, kwargs: dict, origin_of: Callable[[Any], Optional[str]]) -> EncodedCall:
+    import xxhash
+
+    args = tuple(_normalise(a) for a in args)
+    kwargs = {k: _normalise(v) for k, v in sorted(kwargs.items())}
+    buf = io.BytesIO()
+    pickler = _CallPickler(buf, origin_of)
+    try:
+        pickler.dump((target.spec(), args, kwargs))
+    except Uncacheable:
+        raise
+    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        raise Uncacheable(f"arguments are not picklable by reference ({err})") from None
+    blob = buf.getvalue()
+    paths = _local_paths(list(args) + list(kwargs.values()))
+    hub = []
+    for value in list(args[:1]) + [kwargs.get("pretrained_model_name_or_path")]:
+        if isinstance(value, str) and value not in paths:
+            snapshot = hub_snapshot(value, kwargs.get("revision"))
+            if snapshot is not None:
+                hub.append(str(snapshot))
+    digest = xxhash.xxh3_128()
+    digest.update(KEY_VERSION.encode())
+    digest.update(blob)
+    digest.update(repr((fingerprint_paths(paths + hub), library_versions())).encode())
+    return EncodedCall(digest.hexdigest(), blob, pickler.refs, _describe(target, args, kwargs), paths + hub,
+                       pickler.ref_objects)
+
+
+def decode_call(blob: bytes, resolve_entry: Callable[[str], Any]) -> tuple[Callable, tuple, dict, dict]:
+    """(original loader, args, kwargs, {entry key: rebuilt object}) in a loader process."""
+    resolved: dict[str, Any] = {}
+
+    class _Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid):
+            if not (isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "entry"):
+                raise pickle.UnpicklingError(f"unknown persistent id {pid!r} in a call")
+            key = pid[1]
+            if key not in resolved:
+                resolved[key] = resolve_entry(key)
+            return resolved[key]
+
+    spec, args, kwargs = _Unpickler(io.BytesIO(blob)).load()
+    return resolve_target(spec), args, kwargs, resolved

@@ -1,0 +1,134 @@
+"""Loader processes: run the original loader and hand the result to the server.
+
+Started by the server (``overmind.loader_pool``), never by users. A *zygote* runs in
+the requesting client's context, imports torch once, then forks one child per job::
+
+    zygote_main(control_fd)     # LoaderReady, then Job -> fork -> JobStarted, forever
+
+The child unpickles the call (rebuilding ``vae=vae``-style arguments from the cache),
+calls the original, unpatched loader, strips what does not survive pickling
+(``overmind.quirks``), packs the result into new sealed segments and sends their fds
+and the skeleton to the server. Then it exits; see Note [Zygotes never touch CUDA]
+in ``overmind.loader_pool``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+from overmind import protocol as P
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["zygote_main", "run_job"]
+
+PREIMPORT = ("torch",)
+
+
+def _preimport(modules) -> list[str]:
+    done = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+            done.append(name)
+        except Exception as err:  # a missing optional library only costs the child an import
+            logger.debug("pre-import of %s failed: %s", name, err)
+    return done
+
+
+def zygote_main(control_fd: int) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    control = socket.socket(fileno=control_fd)
+    imported = _preimport(PREIMPORT)
+    import overmind.reductions  # noqa: F401  (pulls torch-side helpers in before forking)
+    import overmind.quirks  # noqa: F401
+
+    P.send_message(control, P.LoaderReady(os.getpid(), imported))
+    while True:
+        try:
+            message, blob, fds = P.recv_message(control)
+        except (EOFError, ConnectionResetError, P.ProtocolError):
+            os._exit(0)  # the server went away
+        if not isinstance(message, P.Job) or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            os._exit(2)
+        _preimport(message.modules)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                control.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                with socket.socket(fileno=fds[0]) as job_sock:
+                    code = run_job(message, blob, job_sock)
+            finally:
+                os._exit(code)
+        os.close(fds[0])
+        P.send_message(control, P.JobStarted(message.key, pid))
+
+
+def _state_of(obj: Any) -> Any:
+    """What would tell us the loader changed an argument in place (dtype casts, moves, fusing)."""
+    torch = sys.modules["torch"]
+    modules = []
+    if isinstance(obj, torch.nn.Module):
+        modules = [obj]
+    elif hasattr(obj, "components") and isinstance(getattr(obj, "components"), dict):
+        modules = [m for m in obj.components.values() if isinstance(m, torch.nn.Module)]
+    return [tuple((name, t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for name, t in m.state_dict().items())
+            for m in modules]
+
+
+def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
+    """Run one load in this (forked) process; answer on ``job_sock``. Returns the exit code."""
+    started = time.monotonic()
+    try:
+        sys.path[:] = job.sys_path
+        from overmind import quirks
+        from overmind.calls import decode_call
+        from overmind.config import Config
+        from overmind.reductions import pack
+
+        conn_holder: list = []
+
+        def resolve_entry(key: str):
+            from overmind.api import fetch_entry
+
+            return fetch_entry(key, conn_holder)
+
+        fn, args, kwargs, refs = decode_call(blob, resolve_entry)
+        before = {key: _state_of(obj) for key, obj in refs.items()}
+        result = fn(*args, **kwargs)
+        loaded = time.monotonic()
+        quirks.prepare_for_pickle(result)
+        # Arguments handed back unchanged travel as references: the client puts its own object there.
+        references = {id(obj): key for key, obj in refs.items() if _state_of(obj) == before[key]}
+        packed = pack(result, name=job.key[:12], references=references)
+        slots = [i for i, seg in enumerate(packed.segments) if seg is not None]
+        meta = {
+            "type": f"{type(result).__module__}.{type(result).__qualname__}",
+            "pickler": packed.pickler, "storages": packed.storages, "tensors": packed.tensors,
+            "original_seconds": loaded - started, "pack_seconds": time.monotonic() - loaded,
+            "sys_path_extra": quirks.dynamic_module_paths(),
+            "references": sorted(set(references.values())),
+        }
+        P.send_message(job_sock, P.JobResult(job.key, [packed.segments[i].size for i in slots], slots,
+                                             len(packed.segments), packed.nbytes, [], meta),
+                       packed.skeleton, fds=[packed.segments[i].fd for i in slots])
+        return 0
+    except BaseException as err:  # reported to the client as a typed error with this traceback
+        try:
+            P.send_message(job_sock, P.JobFailed(job.key, P.ErrorCode.LOADER_FAILED,
+                                                 f"{type(err).__name__}: {err}", traceback.format_exc()))
+        except OSError:
+            pass
+        return 1

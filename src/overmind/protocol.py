@@ -1,0 +1,424 @@
+"""The overmind wire protocol: every byte that crosses the server's socket.
+
+Standard library only (the server imports it). A frame is a fixed header, a JSON
+object with the message's fields, and an optional binary blob (a pickled call or a
+skeleton); file descriptors ride on the header's ``sendmsg`` as ``SCM_RIGHTS``::
+
+    +-------+---------+------+----------+----------+------------+------------+
+    | magic | version | type | json_len | blob_len | json bytes | blob bytes |
+    | 4s    | u16     | u16  | u32      | u64      |            |            |
+    +-------+---------+------+----------+----------+------------+------------+
+
+    send_message(sock, Hello(version=PROTOCOL_VERSION, pid=os.getpid(), role="client"))
+    message, blob, fds = recv_message(sock)
+
+Note [Frames are untrusted]
+The server reads frames from any process that passed the peer-credential check,
+and a buggy or hostile one can send anything. Sizes are bounded before any
+allocation, JSON is parsed only into the declared fields with their declared
+types, unknown message types are refused, and every failure raises
+:class:`ProtocolError`, which closes that connection only. Received fds that were
+not expected are closed at once.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import json
+import os
+import socket
+import struct
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "MAGIC", "PROTOCOL_VERSION", "HEADER", "MAX_JSON", "MAX_BLOB", "MAX_FDS", "ErrorCode", "ProtocolError",
+    "Message", "MESSAGE_TYPES", "encode_frame", "decode_header", "decode_fields", "send_message", "recv_message",
+    "Hello", "Welcome", "Error", "Load", "Entry", "GetFds", "Fds", "Status", "StatusReply", "ListEntries",
+    "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "JobResult", "JobFailed", "Job", "JobStarted", "LoaderReady",
+]
+
+MAGIC = b"OVMD"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sHHIQ")
+MAX_JSON = 1 << 20  # 1 MiB of fields
+MAX_BLOB = 1 << 31  # 2 GiB: skeletons of very large pipelines (tokenizer vocabularies) stay well below
+MAX_FDS = 64
+
+
+class ErrorCode:
+    """Numeric error codes shared by both ends of the socket."""
+
+    BAD_REQUEST = 1
+    VERSION_MISMATCH = 2
+    NOT_FOUND = 3
+    LOADER_FAILED = 4  # the original loader raised; the traceback travels along
+    LOADER_CRASHED = 5  # the loader process died (signal, exit) before answering
+    LOADER_TIMEOUT = 6
+    PERMISSION_DENIED = 7
+    SHUTTING_DOWN = 8
+    TOO_LARGE = 9
+    INTERNAL = 10
+
+    @classmethod
+    def name(cls, code: int) -> str:
+        for key, value in vars(cls).items():
+            if value == code and key.isupper():
+                return key
+        return f"ERROR_{code}"
+
+
+class ProtocolError(Exception):
+    """A malformed, truncated or oversized frame: the connection cannot continue."""
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[int] = 0
+    WITH_BLOB: ClassVar[bool] = False
+
+
+@dataclass
+class Hello(Message):
+    TYPE: ClassVar[int] = 1
+    version: int
+    pid: int
+    role: str  # "client", "loader" or "cli"
+    package_version: str = ""
+
+
+@dataclass
+class Welcome(Message):
+    TYPE: ClassVar[int] = 2
+    version: int
+    server_pid: int
+    server_version: str
+    uid: int
+
+
+@dataclass
+class Error(Message):
+    TYPE: ClassVar[int] = 3
+    code: int
+    message: str
+    traceback: str = ""
+
+
+@dataclass
+class Load(Message):
+    """Get an entry, loading it on a miss. The blob is the pickled call (see overmind.client)."""
+
+    TYPE: ClassVar[int] = 10
+    WITH_BLOB: ClassVar[bool] = True
+    key: str
+    target: str  # "module:qualname" of the original loader, for logs and listings
+    description: str  # a short human-readable form of the call
+    context: dict  # python, cwd, sys_path, env: where a loader must run
+    refs: list = field(default_factory=list)  # keys of entries the call refers to
+    lookup_only: bool = False  # never start a loader: NOT_FOUND on a miss
+    modules: list = field(default_factory=list)  # modules the call needs, pre-imported by the zygote
+
+
+@dataclass
+class Entry(Message):
+    """A cache entry: segment handles (server fds) and, in the blob, the skeleton."""
+
+    TYPE: ClassVar[int] = 11
+    WITH_BLOB: ClassVar[bool] = True
+    key: str
+    server_pid: int
+    segments: list  # [[server fd, size], ...]; null for an unused slot
+    nbytes: int
+    hit: bool
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class GetFds(Message):
+    """Ask for an entry's segment fds over SCM_RIGHTS (when /proc/<pid>/fd is refused)."""
+
+    TYPE: ClassVar[int] = 12
+    key: str
+
+
+@dataclass
+class Fds(Message):
+    TYPE: ClassVar[int] = 13
+    key: str
+    sizes: list  # one size per fd sent, in order
+
+
+@dataclass
+class Status(Message):
+    TYPE: ClassVar[int] = 20
+
+
+@dataclass
+class StatusReply(Message):
+    TYPE: ClassVar[int] = 21
+    info: dict
+
+
+@dataclass
+class ListEntries(Message):
+    TYPE: ClassVar[int] = 22
+
+
+@dataclass
+class EntryList(Message):
+    TYPE: ClassVar[int] = 23
+    entries: list
+
+
+@dataclass
+class Evict(Message):
+    TYPE: ClassVar[int] = 24
+    key: str = ""  # a key or a unique prefix of one
+    all: bool = False
+
+
+@dataclass
+class Evicted(Message):
+    TYPE: ClassVar[int] = 25
+    keys: list
+
+
+@dataclass
+class Shutdown(Message):
+    TYPE: ClassVar[int] = 26
+
+
+@dataclass
+class Ok(Message):
+    TYPE: ClassVar[int] = 27
+
+
+# -- server <-> loader ---------------------------------------------------------
+
+
+@dataclass
+class LoaderReady(Message):
+    """A zygote loader finished importing and waits for jobs."""
+
+    TYPE: ClassVar[int] = 40
+    pid: int
+    imported: list
+
+
+@dataclass
+class Job(Message):
+    """Run one load in a forked child. Carries one fd: the child's end of the job socket."""
+
+    TYPE: ClassVar[int] = 41
+    WITH_BLOB: ClassVar[bool] = True
+    key: str
+    sys_path: list
+    socket_path: str  # the server's socket, for fetching referenced entries
+    modules: list = field(default_factory=list)  # imported in the zygote first, kept for later jobs
+
+
+@dataclass
+class JobStarted(Message):
+    TYPE: ClassVar[int] = 42
+    key: str
+    pid: int
+
+
+@dataclass
+class JobResult(Message):
+    """The loader's answer: the skeleton in the blob, the new segments as fds."""
+
+    TYPE: ClassVar[int] = 43
+    WITH_BLOB: ClassVar[bool] = True
+    key: str
+    sizes: list  # one per fd sent, in order
+    slots: list  # segment slot of each fd (unused slots have no fd)
+    nslots: int
+    nbytes: int
+    refs: list  # keys of entries whose segments this one also references
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class JobFailed(Message):
+    TYPE: ClassVar[int] = 44
+    key: str
+    code: int
+    message: str
+    traceback: str = ""
+
+
+MESSAGE_TYPES: dict[int, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, Error, Load, Entry, GetFds, Fds, Status, StatusReply, ListEntries, EntryList, Evict,
+                Evicted, Shutdown, Ok, LoaderReady, Job, JobStarted, JobResult, JobFailed)
+}
+
+_JSON_TYPES = {int: (int,), str: (str,), bool: (bool,), float: (int, float), dict: (dict,), list: (list,)}
+
+
+def _field_types(cls: type[Message]) -> dict[str, tuple]:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        out[f.name] = _JSON_TYPES.get(typing.get_origin(kind) or kind, (object,))
+    return out
+
+
+_FIELD_TYPES = {code: _field_types(cls) for code, cls in MESSAGE_TYPES.items()}
+
+
+def encode_frame(message: Message, blob: bytes | memoryview = b"") -> bytes:
+    if blob and not message.WITH_BLOB:
+        raise ValueError(f"{type(message).__name__} carries no blob")
+    fields = json.dumps(dataclasses.asdict(message), separators=(",", ":"), sort_keys=True).encode()
+    if len(fields) > MAX_JSON:
+        raise ValueError(f"{type(message).__name__} fields are {len(fields)} bytes, over the {MAX_JSON}-byte limit")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, message.TYPE, len(fields), len(blob)) + fields
+
+
+def decode_header(header: bytes, max_blob: int = MAX_BLOB) -> tuple[int, int, int, int]:
+    """(version, type, json_len, blob_len), or ProtocolError."""
+    if len(header) != HEADER.size:
+        raise ProtocolError(f"truncated header: {len(header)} of {HEADER.size} bytes")
+    magic, version, mtype, json_len, blob_len = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: not an overmind peer")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version mismatch: peer speaks {version}, this side speaks {PROTOCOL_VERSION}; "
+            "restart overmind-server after upgrading overmind (overmind shutdown)"
+        )
+    if mtype not in MESSAGE_TYPES:
+        raise ProtocolError(f"unknown message type {mtype}")
+    if json_len > MAX_JSON:
+        raise ProtocolError(f"fields of {json_len} bytes exceed the {MAX_JSON}-byte limit")
+    if blob_len > max_blob:
+        raise ProtocolError(f"blob of {blob_len} bytes exceeds the {max_blob}-byte limit")
+    if blob_len and not MESSAGE_TYPES[mtype].WITH_BLOB:
+        raise ProtocolError(f"{MESSAGE_TYPES[mtype].__name__} must not carry a blob")
+    return version, mtype, json_len, blob_len
+
+
+def decode_fields(mtype: int, raw: bytes) -> Message:
+    cls = MESSAGE_TYPES[mtype]
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ProtocolError(f"{cls.__name__}: fields are not JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{cls.__name__}: fields must be a JSON object")
+    types = _FIELD_TYPES[mtype]
+    unknown = set(data) - set(types)
+    if unknown:
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    for name, value in data.items():
+        allowed = types[name]
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise ProtocolError(f"{cls.__name__}.{name}: expected {allowed[0].__name__}, got {type(value).__name__}")
+    try:
+        return cls(**data)
+    except TypeError as err:
+        raise ProtocolError(f"{cls.__name__}: {err}") from None
+
+
+def send_message(sock: socket.socket, message: Message, blob: bytes | memoryview = b"",
+                 fds: typing.Sequence[int] = ()) -> None:
+    frame = encode_frame(message, blob)
+    if len(fds) > MAX_FDS:
+        raise ValueError(f"{len(fds)} fds exceed the limit of {MAX_FDS} a message")
+    if fds:
+        sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sent = sock.send(frame)
+    if sent < len(frame):
+        sock.sendall(memoryview(frame)[sent:])
+    if blob:
+        sock.sendall(blob)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ProtocolError(f"connection closed mid-frame ({got} of {n} bytes)")
+        got += k
+    return buf
+
+
+def _close_fds(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def recv_message(sock: socket.socket, *, max_blob: int = MAX_BLOB, max_fds: int = MAX_FDS
+                 ) -> tuple[Message, bytes, list[int]]:
+    """Read one frame. Raises EOFError on a clean close before a frame, ProtocolError on garbage.
+
+    The caller owns the returned fds.
+    """
+    fds = array.array("i")
+    cmsg_space = socket.CMSG_SPACE(max_fds * fds.itemsize)
+    data, ancdata, flags, _ = sock.recvmsg(HEADER.size, cmsg_space, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    received = list(fds)
+    try:
+        if not data:
+            raise EOFError("peer closed the connection")
+        if flags & socket.MSG_CTRUNC:
+            raise ProtocolError(f"more than {max_fds} fds in one message")
+        header = bytes(data)
+        if len(header) < HEADER.size:
+            header += bytes(_recv_exact(sock, HEADER.size - len(header)))
+        _, mtype, json_len, blob_len = decode_header(header, max_blob)
+        message = decode_fields(mtype, bytes(_recv_exact(sock, json_len)))
+        blob = bytes(_recv_exact(sock, blob_len)) if blob_len else b""
+        return message, blob, received
+    except BaseException:
+        _close_fds(received)
+        raise
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
+
+
+def expect(message: Message, cls: type, what: str = "") -> Any:
+    """Return ``message`` if it is a ``cls``; turn an Error into RemoteError; else ProtocolError."""
+    if isinstance(message, cls):
+        return message
+    if isinstance(message, Error):
+        raise RemoteError(message.code, message.message, message.traceback)
+    raise ProtocolError(f"expected {cls.__name__}{' ' + what if what else ''}, got {type(message).__name__}")
+
+
+class RemoteError(Exception):
+    """An Error message from the other side, with its code and (for loaders) traceback."""
+
+    def __init__(self, code: int, message: str, traceback: str = "") -> None:
+        super().__init__(f"{ErrorCode.name(code)}: {message}")
+        self.code = code
+        self.message = message
+        self.remote_traceback = traceback
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.remote_traceback:
+            text += "\n--- traceback from the overmind loader ---\n" + self.remote_traceback.rstrip()
+        return text
+
+
+__all__ += ["peer_credentials", "expect", "RemoteError"]

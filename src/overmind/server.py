@@ -1,0 +1,473 @@
+"""overmind-server: the daemon that owns the cache. Standard library only.
+
+    overmind-server --foreground          # log to stderr and the runtime dir
+    overmind-server --daemon              # detach; prints the readiness line, then returns
+    python -m overmind.server
+
+It listens on ``<runtime dir>/server.sock`` (a 0700 directory), checks every peer
+with ``SO_PEERCRED``, keeps a registry of entries (sealed segment fds + skeleton),
+and runs cold loads in loader processes (``overmind.loader``). It never imports
+torch and never initialises CUDA: a CUDA context here would hold GPU memory for
+the life of the daemon.
+
+Note [Server owns segment fds]
+An entry's segments are the fds the loader sent over ``SCM_RIGHTS``; the server
+holds them until eviction and closes them then. Clients open their own fds through
+``/proc/<server pid>/fd/<n>`` (or receive duplicates), map ``MAP_PRIVATE`` and
+close the fd at once, so eviction frees the pages when the last client unmaps
+(DESIGN invariant 2). Nothing ever writes, punches or reuses a segment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from overmind import __version__
+from overmind import protocol as P
+from overmind.config import Config, ConfigError, ensure_private_dir
+from overmind.loader_pool import LoaderPool, LoadFailure, context_from_wire
+
+logger = logging.getLogger("overmind.server")
+
+__all__ = ["Server", "Registry", "CacheEntry", "main"]
+
+
+@dataclass
+class CacheEntry:
+    key: str
+    target: str
+    description: str
+    skeleton: bytes
+    slots: list  # per segment slot: [fd, size] or None; see Note [Server owns segment fds]
+    nbytes: int
+    refs: list  # keys of entries whose segments this one also maps
+    meta: dict
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    hits: int = 0
+
+    def close(self) -> None:
+        for slot in self.slots:
+            if slot is not None:
+                try:
+                    os.close(slot[0])
+                except OSError:
+                    pass
+        self.slots = [None for _ in self.slots]
+
+    def summary(self) -> dict:
+        return {
+            "key": self.key, "target": self.target, "description": self.description, "bytes": self.nbytes,
+            "skeleton_bytes": len(self.skeleton), "segments": sum(1 for s in self.slots if s is not None),
+            "hits": self.hits, "created": self.created, "last_used": self.last_used, "refs": self.refs,
+        }
+
+
+class Registry:
+    """Entries by key, with single flight: one load per missing key at a time."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: dict[str, CacheEntry] = {}
+        self.flights: dict[str, "Flight"] = {}
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def get(self, key: str) -> Optional[CacheEntry]:
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is not None:
+                entry.hits += 1
+                entry.last_used = time.time()
+                self.hits += 1
+            return entry
+
+    def add(self, entry: CacheEntry) -> None:
+        with self.lock:
+            old = self.entries.pop(entry.key, None)
+            self.entries[entry.key] = entry
+        if old is not None:
+            old.close()
+
+    def evict(self, keys: list[str]) -> list[str]:
+        with self.lock:
+            dropped = [self.entries.pop(k) for k in keys if k in self.entries]
+            self.evictions += len(dropped)
+        for entry in dropped:
+            entry.close()
+        return [e.key for e in dropped]
+
+    def match(self, prefix: str) -> list[str]:
+        with self.lock:
+            if prefix in self.entries:
+                return [prefix]
+            return [k for k in self.entries if k.startswith(prefix)]
+
+    def keys(self) -> list[str]:
+        with self.lock:
+            return list(self.entries)
+
+
+class Flight:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.entry: Optional[CacheEntry] = None
+        self.error: Optional[P.Error] = None
+
+
+class Server:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.registry = Registry()
+        self.uid = os.getuid()
+        self.started = time.time()
+        self.stopping = threading.Event()
+        self.listener: Optional[socket.socket] = None
+        self.loaders = LoaderPool(config)
+        self.load_slots = threading.BoundedSemaphore(config.workers)
+        self.active = 0
+        self.active_lock = threading.Lock()
+        self.refused = 0
+
+    # -- lifecycle: startup -> serve -> shutdown ------------------------------------
+
+    def startup(self) -> None:
+        ensure_private_dir(self.config.runtime_dir)
+        path = self.config.socket_path
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+            raise ConfigError(f"another overmind-server is already listening on {path}")
+        except (FileNotFoundError, ConnectionRefusedError):
+            pass
+        finally:
+            probe.close()
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket file itself is 0600 too
+        try:
+            listener.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        listener.listen(128)
+        self.listener = listener
+        self.config.pid_path.write_text(f"{os.getpid()}\n")
+
+    def serve(self) -> None:
+        assert self.listener is not None
+        self.listener.settimeout(0.5)
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self.stopping.is_set():
+                    break
+                raise
+            threading.Thread(target=self._handle, args=(conn,), daemon=True, name="overmind-conn").start()
+
+    def shutdown(self, grace: float = 10.0) -> None:
+        self.stopping.set()
+        if self.listener is not None:
+            try:
+                self.listener.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            with self.active_lock:
+                if self.active == 0:
+                    break
+            time.sleep(0.05)
+        self.loaders.close()
+        for key in self.registry.keys():
+            self.registry.evict([key])
+        for path in (self.config.socket_path, self.config.pid_path):
+            try:
+                if path == self.config.pid_path and path.read_text().strip() != str(os.getpid()):
+                    continue
+                path.unlink()
+            except (FileNotFoundError, ValueError):
+                pass
+        logger.info("overmind-server stopped")
+
+    # -- connections ---------------------------------------------------------------
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                pid, uid, _ = P.peer_credentials(conn)
+            except OSError:
+                return
+            if uid != self.uid:
+                self.refused += 1
+                logger.warning("refused connection from pid %d uid %d (server uid %d)", pid, uid, self.uid)
+                self._reply_error(conn, P.ErrorCode.PERMISSION_DENIED, "overmind-server serves only its own user")
+                return
+            conn.settimeout(60.0)
+            try:
+                hello, _, fds = P.recv_message(conn, max_blob=0)
+                self._drop(fds)
+                if not isinstance(hello, P.Hello):
+                    raise P.ProtocolError(f"expected Hello, got {type(hello).__name__}")
+                if hello.version != P.PROTOCOL_VERSION:
+                    self._reply_error(conn, P.ErrorCode.VERSION_MISMATCH,
+                                      f"client speaks protocol {hello.version}, server speaks {P.PROTOCOL_VERSION}")
+                    return
+                P.send_message(conn, P.Welcome(P.PROTOCOL_VERSION, os.getpid(), __version__, self.uid))
+                conn.settimeout(None)
+                while not self.stopping.is_set():
+                    message, blob, fds = P.recv_message(conn)
+                    self._drop(fds)  # clients never send fds
+                    with self.active_lock:
+                        self.active += 1
+                    try:
+                        self._dispatch(conn, message, blob, pid)
+                    finally:
+                        with self.active_lock:
+                            self.active -= 1
+            except EOFError:
+                pass
+            except (P.ProtocolError, socket.timeout) as err:
+                logger.warning("closing connection from pid %d: %s", pid, err)
+                self._reply_error(conn, P.ErrorCode.BAD_REQUEST, str(err))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            except Exception:  # never let one connection take the server down
+                logger.exception("internal error serving pid %d", pid)
+
+    @staticmethod
+    def _drop(fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+
+    @staticmethod
+    def _reply_error(conn: socket.socket, code: int, message: str, tb: str = "") -> None:
+        try:
+            P.send_message(conn, P.Error(code, message, tb))
+        except OSError:
+            pass
+
+    def _dispatch(self, conn: socket.socket, message: P.Message, blob: bytes, pid: int) -> None:
+        if isinstance(message, P.Load):
+            self._load(conn, message, blob, pid)
+        elif isinstance(message, P.GetFds):
+            entry = self.registry.entries.get(message.key)
+            if entry is None:
+                return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {message.key}")
+            live = [s for s in entry.slots if s is not None]
+            P.send_message(conn, P.Fds(entry.key, [s[1] for s in live]), fds=[s[0] for s in live])
+        elif isinstance(message, P.Status):
+            P.send_message(conn, P.StatusReply(self.status()))
+        elif isinstance(message, P.ListEntries):
+            with self.registry.lock:
+                entries = [e.summary() for e in self.registry.entries.values()]
+            P.send_message(conn, P.EntryList(entries))
+        elif isinstance(message, P.Evict):
+            keys = self.registry.keys() if message.all else self.registry.match(message.key) if message.key else []
+            if not message.all and len(keys) > 1:
+                return self._reply_error(conn, P.ErrorCode.BAD_REQUEST,
+                                         f"{message.key!r} matches {len(keys)} entries; give more of the key")
+            P.send_message(conn, P.Evicted(self.registry.evict(keys)))
+        elif isinstance(message, P.Shutdown):
+            P.send_message(conn, P.Ok())
+            logger.info("shutdown requested by pid %d", pid)
+            threading.Thread(target=lambda: os.kill(os.getpid(), signal.SIGTERM), daemon=True).start()
+        else:
+            raise P.ProtocolError(f"unexpected {type(message).__name__} from a client")
+
+    def status(self) -> dict:
+        with self.registry.lock:
+            entries = list(self.registry.entries.values())
+            info = {
+                "pid": os.getpid(), "version": __version__, "uptime": time.time() - self.started,
+                "entries": len(entries), "bytes": sum(e.nbytes for e in entries),
+                "hits": self.registry.hits, "misses": self.registry.misses, "evictions": self.registry.evictions,
+                "loading": len(self.registry.flights), "refused_connections": self.refused,
+                "socket": str(self.config.socket_path), "torch_imported": "torch" in sys.modules,
+            }
+        info["loaders"] = self.loaders.describe()
+        return info
+
+    # -- loads ---------------------------------------------------------------------
+
+    def _send_entry(self, conn: socket.socket, entry: CacheEntry, hit: bool) -> None:
+        P.send_message(conn, P.Entry(entry.key, os.getpid(), [list(s) if s else None for s in entry.slots],
+                                     entry.nbytes, hit, entry.meta), entry.skeleton)
+
+    def _load(self, conn: socket.socket, request: P.Load, blob: bytes, pid: int) -> None:
+        entry = self.registry.get(request.key)
+        if entry is not None:
+            return self._send_entry(conn, entry, hit=True)
+        if request.lookup_only:
+            return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {request.key}")
+        with self.registry.lock:
+            entry = self.registry.entries.get(request.key)
+            flight = self.registry.flights.get(request.key) if entry is None else None
+            leader = entry is None and flight is None
+            if leader:
+                flight = self.registry.flights[request.key] = Flight()
+                self.registry.misses += 1
+        if entry is not None:
+            return self._send_entry(conn, entry, hit=True)
+        assert flight is not None
+        if leader:
+            try:
+                flight.entry = self._run_load(request, blob, pid)
+            except LoadFailure as failure:
+                flight.error = P.Error(failure.code, failure.message, failure.traceback)
+            except Exception as err:  # pragma: no cover - reported, never fatal
+                logger.exception("load of %s failed inside the server", request.key)
+                flight.error = P.Error(P.ErrorCode.INTERNAL, f"server error: {err}")
+            finally:
+                with self.registry.lock:
+                    self.registry.flights.pop(request.key, None)
+                flight.done.set()
+        else:
+            flight.done.wait()
+        if flight.entry is not None:
+            self._send_entry(conn, flight.entry, hit=False)
+        else:
+            assert flight.error is not None
+            P.send_message(conn, flight.error)
+
+    def _run_load(self, request: P.Load, blob: bytes, pid: int) -> CacheEntry:
+        context = context_from_wire(request.context)
+        started = time.monotonic()
+        with self.load_slots:
+            logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)
+            result, skeleton, fds = self.loaders.run(request.key, context, blob, self.config.socket_path,
+                                                     request.modules)
+        slots: list = [None] * result.nslots
+        for fd, size, slot in zip(fds, result.sizes, result.slots):
+            slots[slot] = [fd, size]
+        # Storages found in other entries: their segments are appended after this entry's own.
+        for ref in result.refs:
+            other = self.registry.entries.get(ref)
+            if other is None:
+                for fd in fds:
+                    os.close(fd)
+                raise LoadFailure(P.ErrorCode.NOT_FOUND, f"entry {ref} was evicted while {request.key} loaded")
+            slots.extend([os.dup(s[0]), s[1]] if s else None for s in other.slots)
+        entry = CacheEntry(request.key, request.target, request.description, skeleton, slots, result.nbytes,
+                           list(result.refs), dict(result.meta, load_seconds=time.monotonic() - started))
+        self.registry.add(entry)
+        logger.info("cached %s: %d bytes in %.2fs", request.key[:16], result.nbytes, time.monotonic() - started)
+        return entry
+
+
+def _configure_logging(config: Config, foreground: bool) -> None:
+    root = logging.getLogger("overmind")
+    root.setLevel(config.log_level)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    handler = logging.FileHandler(config.log_path)
+    handler.setFormatter(fmt)
+    root.addHandler(handler)
+    if foreground:
+        stream = logging.StreamHandler(sys.stderr)
+        stream.setFormatter(fmt)
+        root.addHandler(stream)
+
+
+def _install_signals(server: Server) -> None:
+    def on_term(signum, frame):
+        if server.stopping.is_set():
+            logger.warning("second %s: exiting now", signal.Signals(signum).name)
+            os._exit(1)
+        logger.info("%s: shutting down (send it again to force)", signal.Signals(signum).name)
+        server.stopping.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+
+
+def _daemonize(ready_write: int) -> None:
+    """Double fork; the grandchild keeps ``ready_write`` to report readiness."""
+    if os.fork() > 0:
+        os._exit(0)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="overmind-server", description="The overmind model cache daemon.")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--foreground", action="store_true", help="stay attached; log to stderr too (default)")
+    mode.add_argument("--daemon", action="store_true", help="detach once ready")
+    parser.add_argument("--runtime-dir", help="socket/log directory (default: OVERMIND_RUNTIME_DIR, "
+                        "$XDG_RUNTIME_DIR/overmind, /tmp/overmind-<uid>)")
+    parser.add_argument("--workers", type=int, help="loads that run at once for different keys")
+    args = parser.parse_args(argv)
+    env = dict(os.environ)
+    if args.runtime_dir:
+        env["OVERMIND_RUNTIME_DIR"] = args.runtime_dir
+    if args.workers:
+        env["OVERMIND_WORKERS"] = str(args.workers)
+    try:
+        config = Config.from_env(env)
+        ensure_private_dir(config.runtime_dir)
+    except ConfigError as err:
+        print(f"overmind-server: {err}", file=sys.stderr)
+        return 2
+
+    ready_read = ready_write = -1
+    if args.daemon:
+        ready_read, ready_write = os.pipe()
+        pid = os.fork()
+        if pid > 0:  # the launcher: wait for the daemon's readiness line, print it, return
+            os.close(ready_write)
+            with os.fdopen(ready_read) as pipe:
+                line = pipe.read()
+            if not line:
+                print(f"overmind-server: failed to start; see {config.log_path}", file=sys.stderr)
+                return 1
+            print(line, end="", flush=True)
+            return 0
+        os.close(ready_read)
+        _daemonize(ready_write)
+
+    _configure_logging(config, foreground=not args.daemon)
+    server = Server(config)
+    try:
+        server.startup()
+    except (ConfigError, OSError) as err:
+        logger.error("cannot start: %s", err)
+        print(f"overmind-server: {err}", file=sys.stderr)
+        return 1
+    _install_signals(server)
+    line = f"overmind-server ready: pid {os.getpid()}, socket {config.socket_path}, version {__version__}\n"
+    logger.info(line.strip())
+    if ready_write >= 0:
+        os.write(ready_write, line.encode())
+        os.close(ready_write)
+    else:
+        print(line, end="", flush=True)
+    try:
+        server.serve()
+    finally:
+        server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""A real overmind-server subprocess in a private temp runtime dir, and small real models."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ..conftest import REPO, child_env, run_python
+
+
+class ServerProcess:
+    def __init__(self, runtime_dir: Path, extra_env: dict | None = None, args: tuple = ()) -> None:
+        self.runtime_dir = runtime_dir
+        self.env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_NO_AUTOSTART="1", **(extra_env or {}))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "overmind.server", "--foreground", *args],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        )
+        line = self.proc.stdout.readline()  # the readiness line; blocks until listening
+        if "ready" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"server did not start: {line!r} {self.proc.stderr.read()[-2000:]}")
+        self.pid = self.proc.pid
+
+    @property
+    def socket_path(self) -> Path:
+        return self.runtime_dir / "server.sock"
+
+    def client_env(self, **extra: str) -> dict:
+        return {**self.env, **extra}
+
+    def run(self, code: str, **kwargs) -> subprocess.CompletedProcess:
+        env = kwargs.pop("env", None) or self.client_env()
+        return run_python(code, env=env, **kwargs)
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "overmind.cli", *args], env=self.env, capture_output=True,
+                              text=True, timeout=60, cwd=REPO)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"overmind {' '.join(args)} exited {proc.returncode}: {proc.stderr}")
+        return proc
+
+    def status(self) -> dict:
+        from overmind import protocol as P
+        from overmind.client import Connection
+        from overmind.config import Config
+
+        with Connection.open(Config.from_env(self.env), role="cli", autostart=False) as conn:
+            return conn.simple(P.Status(), P.StatusReply).info
+
+    def log(self) -> str:
+        try:
+            return (self.runtime_dir / "server.log").read_text()
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+
+
+@pytest.fixture
+def runtime_dir(tmp_path_factory) -> Path:
+    # AF_UNIX paths are limited to 108 bytes: keep the runtime dir short.
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="om-", dir="/tmp"))
+    yield path
+    subprocess.run(["rm", "-rf", str(path)])
+
+
+@pytest.fixture
+def server(runtime_dir):
+    proc = ServerProcess(runtime_dir)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Small real models saved once per session (fresh random weights, fixed seeds)."""
+    root = tmp_path_factory.mktemp("models")
+    from overmind import modelgen
+
+    out = {
+        "unet": modelgen.save_unet(root / "unet", seed=1),
+        "vae": modelgen.save_vae(root / "vae", seed=2),
+        "controlnet_a": modelgen.save_controlnet(root / "controlnet_a", seed=3),
+        "controlnet_b": modelgen.save_controlnet(root / "controlnet_b", seed=4),
+        "lm": modelgen.save_lm(root / "lm", seed=5),
+    }
+    return out
+
+
+def last_json(proc: subprocess.CompletedProcess):
+    return json.loads(proc.stdout.strip().splitlines()[-1])
