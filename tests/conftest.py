@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def child_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OVERMIND_")}
-    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"})
+    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     env.update(extra)
     return env
 

@@ -123,7 +123,15 @@ def _warn_once(message: str) -> None:
             logger.info("%s", message)
             return
         _warned = True
-    warnings.warn(f"overmind: {message}; loading without the cache", RuntimeWarning, stacklevel=4)
+    warnings.warn(f"overmind: {message}; loading without the cache", RuntimeWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first frame outside overmind: the user's load call."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "overmind":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _add_sys_path(paths: Iterable[str]) -> None:

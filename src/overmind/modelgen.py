@@ -142,3 +142,76 @@ def save_lm(path, size="tiny", dtype=torch.float32, seed=0, safe=True, **overrid
 
 def dir_nbytes(path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+CLIP_TEXT_CONFIGS: dict[str, dict[str, Any]] = {
+    "sd15": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                 vocab_size=49408, max_position_embeddings=77, projection_dim=768),
+    "tiny": dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                 vocab_size=1000, max_position_embeddings=77, projection_dim=32),
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2/CLIP byte-level alphabet: every byte maps to a printable character.
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+def save_clip_tokenizer(path) -> Path:
+    """A minimal byte-level CLIP tokenizer (vocab.json + merges.txt), made locally."""
+    import json
+
+    from transformers import CLIPTokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    alphabet = list(_bytes_to_unicode().values())
+    tokens = alphabet + [c + "</w>" for c in alphabet] + ["<|startoftext|>", "<|endoftext|>"]
+    (path / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    tok = CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt"), model_max_length=77)
+    (path / "vocab.json").unlink()
+    (path / "merges.txt").unlink()
+    tok.save_pretrained(path)
+    return path
+
+
+def build_text_encoder(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(**CLIP_TEXT_CONFIGS[size])
+    model = random_init(_on_meta(lambda: CLIPTextModel(config)), dtype, seed)
+    with torch.no_grad():  # position ids are a buffer of indices, not weights
+        for name, buf in model.named_buffers():
+            if name.endswith("position_ids"):
+                buf.copy_(torch.arange(buf.shape[-1]).expand_as(buf))
+    return model
+
+
+def save_sd_pipeline(path, size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0,
+                     variant: str | None = None) -> Path:
+    """A StableDiffusionPipeline folder (unet, vae, text encoder, tokenizer, scheduler)."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    path = Path(path)
+    tokenizer_dir = path / "_tokenizer_src"
+    save_clip_tokenizer(tokenizer_dir)
+    from transformers import CLIPTokenizer
+
+    pipe = StableDiffusionPipeline(
+        unet=build_unet(size, dtype, seed), vae=build_vae(size, dtype, seed + 1),
+        text_encoder=build_text_encoder(size, dtype, seed + 2), tokenizer=CLIPTokenizer.from_pretrained(tokenizer_dir),
+        scheduler=DDIMScheduler(), safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    pipe.save_pretrained(path, safe_serialization=True, variant=variant)
+    import shutil
+
+    shutil.rmtree(tokenizer_dir)
+    return path

@@ -17,8 +17,9 @@ Note [Skeleton format is versioned]
 A skeleton may be read by a different overmind build than the one that wrote it
 (several processes share one server). It is a pickled ``(FORMAT, storages, objects,
 payload)`` tuple of plain values; ``FORMAT`` is bumped whenever a record changes and
-an unknown format is a clear error. Nothing of overmind's is named inside the pickle,
-so modules can move freely.
+an unknown format is a clear error. Nothing of overmind's is named inside the pickle
+(except the fixed-path rebuild functions of Note [Extra reducers]), so modules can
+move freely.
 
 Note [Tensors as table entries]
 Torch's own tensor reduction costs ~25 us a tensor to unpickle (fake-mode checks,
@@ -35,6 +36,14 @@ its own segment: with two, filling runs ~2x faster here than with one
 (``benchmarks/core_rebuild.py``). The pickler only reserves offsets and queues the
 copies, so pickling overlaps the copying.
 
+Note [Same alignment, same numbers]
+CPU kernels (oneDNN convolutions, vectorised reductions) split their work by the
+address of the data, so the same weights at a different offset within a cache line
+can give different low-order bits. A plain ``from_pretrained`` leaves tensors where
+safetensors put them in the file mapping (often 8 bytes past a 64-byte boundary).
+Each storage is therefore placed at the same address modulo 64 as its source, and a
+cached model computes bit-identical outputs to a plain load of the same files.
+
 Note [One mapping per load]
 ``unpack`` maps every segment afresh, so two loads in one process never share pages
 they can write: a ``mul_`` on one copy faults a private page and leaves the other
@@ -45,10 +54,19 @@ Note [Tied weights and views]
 Storages are placed once per ``(data_ptr, nbytes)`` and tensors once per object, so
 views, tied weights (``lm_head.weight is embed_tokens.weight``) and the ``vae=vae``
 pattern keep sharing memory and identity after a round trip.
+
+Note [Extra reducers]
+Some third-party tensor subclasses lose their class through torch's own reduction
+(``Parameter.__reduce_ex__`` rebuilds a plain ``nn.Parameter``). ``overmind.quirks``
+registers reducers for such exact types with :func:`register_reducer`, once their
+library is imported; the picklers consult them through ``dispatch_table`` (a C-level
+lookup, so other objects pay nothing). Their rebuild functions are named inside stored
+skeletons and therefore live at fixed import paths.
 """
 
 from __future__ import annotations
 
+import copyreg
 import gc
 import io
 import logging
@@ -67,7 +85,8 @@ from overmind.native import build_tensors, make_untyped_storage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "StorageRef", "TensorRef", "Packed", "pack", "unpack", "PICKLE_PROTOCOL", "Locator"]
+__all__ = ["FORMAT", "StorageRef", "TensorRef", "Packed", "pack", "unpack", "PICKLE_PROTOCOL", "Locator",
+           "register_reducer"]
 
 PICKLE_PROTOCOL = 5
 FORMAT = "overmind-skeleton-1"
@@ -101,10 +120,29 @@ class TypedStorageRef(NamedTuple):
     dtype: Optional[str]  # None: an UntypedStorage
 
 
+class ScriptModuleRef(NamedTuple):
+    """A TorchScript module, stored as its ``torch.jit.save`` archive (it cannot be pickled)."""
+
+    archive: bytes
+
+
 class ExternalRef(NamedTuple):
     """An object the unpickling side already has (an argument it passed in, ``vae=vae``)."""
 
     key: str
+
+
+# Exact type -> reducer(obj) returning a reduce tuple; see Note [Extra reducers].
+_extra_reducers: dict[type, Callable] = {}
+
+
+def register_reducer(cls: type, reducer: Callable) -> None:
+    """Pickle instances of exactly ``cls`` with ``reducer(obj)`` in :func:`pack` (Note [Extra reducers])."""
+    _extra_reducers[cls] = reducer
+
+
+def _dispatch_table() -> Optional[dict]:
+    return {**copyreg.dispatch_table, **_extra_reducers} if _extra_reducers else None
 
 
 # Locates a storage that already lives in a sealed segment (stored once, DESIGN invariant 6):
@@ -156,11 +194,12 @@ class _SegmentWriter:
         self.pool: Optional[ThreadPoolExecutor] = None
         self.pending: list[Future] = []
 
-    def reserve(self, nbytes: int) -> int:
+    def reserve(self, nbytes: int, address: int) -> int:
         if self.segment is None:
             self.segment = Segment.create(self.name, 0)
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"overmind-fill-{self.name}")
-        offset = align_up(self.end, ALIGNMENT if nbytes >= ALIGNMENT else _SMALL_ALIGNMENT)
+        # Keep the source's misalignment within a cache line: see Note [Same alignment, same numbers].
+        offset = align_up(self.end, ALIGNMENT if nbytes >= ALIGNMENT else _SMALL_ALIGNMENT) + address % _SMALL_ALIGNMENT
         self.end = offset + nbytes
         self.segment.size = max(self.segment.size, self.end)
         return offset
@@ -246,7 +285,7 @@ class _Tables:
             return 0, 0
         number = min(range(len(self.writers)), key=lambda i: self.writers[i].end)
         writer = self.writers[number]
-        offset = writer.reserve(nbytes)
+        offset = writer.reserve(nbytes, source.data_ptr())
         writer.write(offset, source.data_ptr(), nbytes, source)
         self.written += nbytes
         return number, offset
@@ -287,6 +326,10 @@ class _SkeletonPickling:
         if cls is torch.UntypedStorage:
             index = self._tables.storage(obj)
             return self._tables.add_object(("s", index, None), TypedStorageRef(index, None), obj)
+        if isinstance(obj, torch.jit.ScriptModule):
+            archive = io.BytesIO()
+            torch.jit.save(obj, archive)
+            return self._tables.add_object(("j", id(obj)), ScriptModuleRef(archive.getvalue()), obj)
         return None
 
     def _tensor(self, t: torch.Tensor, parameter: bool):
@@ -313,6 +356,9 @@ class _SkeletonPickling:
 
 class _StdlibPickler(_SkeletonPickling, pickle.Pickler):
     def __init__(self, file, tables: _Tables) -> None:
+        table = _dispatch_table()
+        if table is not None:
+            self.dispatch_table = table  # read once by the C pickler's __init__
         super().__init__(file, protocol=PICKLE_PROTOCOL)
         self._tables = tables
 
@@ -325,6 +371,9 @@ def _dill_pickler(file, tables: _Tables):
 
     pickler = _DillPickler(file, protocol=PICKLE_PROTOCOL, recurse=True)
     pickler._tables = tables
+    table = _dispatch_table()
+    if table is not None:
+        pickler.dispatch_table = table
     return pickler
 
 
@@ -407,6 +456,8 @@ def _build_objects(objects: list, storages: list, references: dict) -> list:
             untyped = storages[storage]
             built[slot] = untyped if dtype_name is None else torch.storage.TypedStorage(
                 wrap_storage=untyped, dtype=dtype_of(dtype_name), _internal=True)
+        elif kind == "ScriptModuleRef":
+            built[slot] = torch.jit.load(io.BytesIO(record[0]), map_location="cpu")
         elif kind == "ExternalRef":
             try:
                 built[slot] = references[record[0]]
@@ -431,6 +482,14 @@ threads writing into one memfd contend on its inode. Each fill thread therefore 
 its own segment: with two, filling runs ~2x faster here than with one
 (``benchmarks/core_rebuild.py``). The pickler only reserves offsets and queues the
 copies, so pickling overlaps the copying.
+
+Note [Same alignment, same numbers]
+CPU kernels (oneDNN convolutions, vectorised reductions) split their work by the
+address of the data, so the same weights at a different offset within a cache line
+can give different low-order bits. A plain ``from_pretrained`` leaves tensors where
+safetensors put them in the file mapping (often 8 bytes past a 64-byte boundary).
+Each storage is therefore placed at the same address modulo 64 as its source, and a
+cached model computes bit-identical outputs to a plain load of the same files.
 
 Note [One mapping per load]."""
     if not isinstance(skeleton, (bytes, bytearray, memoryview)):

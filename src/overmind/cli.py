@@ -1,0 +1,234 @@
+"""The ``overmind`` command: inspect and control a running overmind-server.
+
+    overmind status [--json]        pid, uptime, entries, bytes, hits, misses, ...
+    overmind list [--json]          one line per cached entry
+    overmind evict KEY | --all      drop an entry (KEY may be a unique prefix) or all of them
+    overmind shutdown               stop the server and wait until it has stopped
+    overmind --runtime-dir DIR ...  talk to the server in DIR (default: OVERMIND_RUNTIME_DIR,
+                                    $XDG_RUNTIME_DIR/overmind, /tmp/overmind-<uid>)
+
+``overmind-list`` and ``overmind-shutdown`` are ``overmind list`` and ``overmind shutdown``;
+``python -m overmind.cli`` works too. The command never starts a server.
+
+Exit status: 0 done; 1 the server refused or nothing matched; 2 bad usage or settings;
+3 no server is running (``shutdown`` exits 0 then: there is nothing to stop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from typing import Callable, Optional
+
+from overmind import protocol as P
+from overmind.client import Connection, ServerUnavailable
+from overmind.config import Config, ConfigError
+
+__all__ = ["main", "list_main", "shutdown_main", "human_bytes", "human_duration"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
+SHUTDOWN_WAIT = 15.0
+
+
+def human_bytes(n: float) -> str:
+    """``1700000000`` -> ``"1.7 GB"`` (decimal units, as disk and model sizes are quoted)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def human_duration(seconds: float) -> str:
+    """``192`` -> ``"3m12s"``; two units at most (``2h05m``, ``1d04h``)."""
+    s = max(0, int(seconds))
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{s:02d}s"
+    return f"{s}s"
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _format_value(name: str, value: object) -> str:
+    if name == "bytes" and isinstance(value, (int, float)):
+        return f"{human_bytes(value)} ({value} bytes)"
+    if name == "uptime" and isinstance(value, (int, float)):
+        return human_duration(value)
+    if name == "loaders" and isinstance(value, list):
+        ready = sum(1 for z in value if isinstance(z, dict) and z.get("ready"))
+        pids = ", ".join(str(z.get("pid")) for z in value if isinstance(z, dict))
+        return f"{len(value)} ({ready} ready)" + (f": pid {pids}" if pids else "")
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+# -- commands: each gets an open connection and returns an exit status -----------------------
+
+
+def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
+    info = conn.simple(P.Status(), P.StatusReply).info
+    if args.json:
+        print(json.dumps(info, sort_keys=True))
+        return EXIT_OK
+    first = ["pid", "version", "uptime", "entries", "bytes", "hits", "misses", "evictions", "loading"]
+    names = [n for n in first if n in info] + sorted(n for n in info if n not in first)
+    print(_table([(name, _format_value(name, info[name])) for name in names]))
+    return EXIT_OK
+
+
+def cmd_list(conn: Connection, args: argparse.Namespace) -> int:
+    entries = conn.simple(P.ListEntries(), P.EntryList).entries
+    if args.json:
+        print(json.dumps(entries, sort_keys=True))
+        return EXIT_OK
+    if not entries:
+        print("no cached entries")
+        return EXIT_OK
+    now = time.time()
+    rows = [("KEY", "BYTES", "HITS", "LAST USE", "DESCRIPTION")]
+    for e in sorted(entries, key=lambda e: -float(e.get("last_used", 0))):
+        rows.append((str(e.get("key", ""))[:16], human_bytes(e.get("bytes", 0)), str(e.get("hits", 0)),
+                     human_duration(now - float(e.get("last_used", now))) + " ago", str(e.get("description", ""))))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print(f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]:>{widths[3]}}  {row[4]}")
+    return EXIT_OK
+
+
+def cmd_evict(conn: Connection, args: argparse.Namespace) -> int:
+    # The listing only gives the evicted keys a description; eviction itself is one request.
+    described = {e.get("key"): e.get("description", "") for e in conn.simple(P.ListEntries(), P.EntryList).entries}
+    evicted = conn.simple(P.Evict(key=args.key or "", all=args.all), P.Evicted).keys
+    if not evicted and not args.all:
+        print(f"overmind: no cached entry matches {args.key!r} (see `overmind list`)", file=sys.stderr)
+        return EXIT_FAILED
+    for key in evicted:
+        print(f"evicted {key[:16]}  {described.get(key, '')}".rstrip())
+    print(f"{len(evicted)} {'entry' if len(evicted) == 1 else 'entries'} evicted")
+    return EXIT_OK
+
+
+def _accepting(path: str) -> bool:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(1.0)
+    try:
+        sock.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def cmd_shutdown(conn: Connection, args: argparse.Namespace) -> int:
+    pid, path = conn.server_pid, conn.config.socket_path
+    conn.simple(P.Shutdown(), P.Ok)
+    conn.close()  # an open connection must not keep the server's handler busy
+    deadline = time.monotonic() + SHUTDOWN_WAIT
+    # The listener closes first; the socket file goes last, once loaders and entries are released.
+    while time.monotonic() < deadline and (_accepting(str(path)) or (path.exists() and _alive(pid))):
+        time.sleep(0.05)
+    if _accepting(str(path)):
+        print(f"overmind: server pid {pid} still accepts connections after {SHUTDOWN_WAIT:.0f}s", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"overmind-server pid {pid} stopped" + (" (socket file still present)" if path.exists() else ""))
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[Connection, argparse.Namespace], int]] = {
+    "status": cmd_status, "list": cmd_list, "evict": cmd_evict, "shutdown": cmd_shutdown,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    runtime_help = "the server's runtime directory (overrides OVERMIND_RUNTIME_DIR)"
+    parser = argparse.ArgumentParser(prog="overmind", description="Inspect and control overmind-server.")
+    parser.add_argument("--runtime-dir", help=runtime_help)
+    # Accepted after the command too (``overmind-list --runtime-dir D``); SUPPRESS keeps the global value.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--runtime-dir", default=argparse.SUPPRESS, help=runtime_help)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    status = sub.add_parser("status", parents=[common], help="server pid, uptime and cache counters")
+    status.add_argument("--json", action="store_true", help="the server's status as one JSON object")
+    listing = sub.add_parser("list", parents=[common], help="cached entries")
+    listing.add_argument("--json", action="store_true", help="the entries as one JSON array")
+    evict = sub.add_parser("evict", parents=[common], help="drop cached entries")
+    which = evict.add_mutually_exclusive_group(required=True)
+    which.add_argument("key", nargs="?", metavar="KEY", help="a key or a unique prefix of one")
+    which.add_argument("--all", action="store_true", help="every entry")
+    sub.add_parser("shutdown", parents=[common], help="stop the server and wait until it has stopped")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    env = dict(os.environ)
+    if args.runtime_dir:
+        env["OVERMIND_RUNTIME_DIR"] = args.runtime_dir
+    try:
+        config = Config.from_env(env)
+    except ConfigError as err:
+        print(f"overmind: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        conn = Connection.open(config, role="cli", autostart=False)
+    except ServerUnavailable as err:
+        if args.command == "shutdown" and not _accepting(str(config.socket_path)):
+            print(f"overmind: no server running at {config.socket_path}; nothing to stop", file=sys.stderr)
+            return EXIT_OK
+        if str(err).startswith("no overmind-server"):
+            print(f"overmind: no server running at {config.socket_path}", file=sys.stderr)
+        else:
+            print(f"overmind: {err}", file=sys.stderr)
+        return EXIT_NO_SERVER
+    except (P.RemoteError, P.ProtocolError, OSError) as err:
+        print(f"overmind: cannot talk to the server at {config.socket_path}: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        with conn:
+            return COMMANDS[args.command](conn, args)
+    except P.RemoteError as err:
+        print(f"overmind: {err.message if err.code == P.ErrorCode.BAD_REQUEST else err}", file=sys.stderr)
+        return EXIT_FAILED
+    except (P.ProtocolError, EOFError, OSError) as err:
+        print(f"overmind: lost the server at {config.socket_path}: {err}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def list_main() -> int:
+    return main(["list", *sys.argv[1:]])
+
+
+def shutdown_main() -> int:
+    return main(["shutdown", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The ``overmind`` command against a real overmind-server subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from ..conftest import REPO, child_env
+
+LOAD_UNET = """
+import overmind.api
+overmind.api.monkey_patch_all()
+from diffusers import UNet2DConditionModel
+UNet2DConditionModel.from_pretrained({path!r})
+"""
+
+LOAD_TENSORS = """
+import overmind.api
+overmind.api.monkey_patch_all()
+import torch
+for path in {paths!r}:
+    torch.load(path)
+"""
+
+
+def _json(proc: subprocess.CompletedProcess):
+    return json.loads(proc.stdout)
+
+
+def _load_unet(server, models) -> None:
+    # Strict: a fallback to a plain load would leave the cache untouched and hide the failure.
+    server.run(LOAD_UNET.format(path=str(models["unet"])), env=server.client_env(OVERMIND_STRICT="1"))
+
+
+def _cli_without_server(runtime_dir, *args: str) -> subprocess.CompletedProcess:
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_NO_AUTOSTART="1")
+    return subprocess.run([sys.executable, "-m", "overmind.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+
+
+def test_status_json_on_fresh_server_reports_its_pid_and_zero_counters(server):
+    info = _json(server.cli("status", "--json"))
+    assert info["pid"] == server.pid
+    assert (info["entries"], info["hits"], info["misses"]) == (0, 0, 0)
+    assert info["torch_imported"] is False
+    assert info == {**server.status(), "uptime": info["uptime"], "loaders": info["loaders"]}  # the info dict as is
+
+
+def test_status_human_output_shows_pid_and_entries(server):
+    out = server.cli("status").stdout
+    assert str(server.pid) in out
+    assert "entries" in out
+    assert "uptime" in out
+
+
+def test_list_and_status_reflect_a_cached_load_and_then_a_hit(server, models):
+    assert _json(server.cli("list", "--json")) == []
+    _load_unet(server, models)
+    lines = server.cli("list").stdout.strip().splitlines()
+    assert len(lines) == 2, lines  # header + one entry
+    assert "UNet2DConditionModel" in lines[1]
+    entries = _json(server.cli("list", "--json"))
+    assert len(entries) == 1 and lines[1].startswith(entries[0]["key"][:16])
+    info = _json(server.cli("status", "--json"))
+    assert (info["entries"], info["misses"], info["hits"]) == (1, 1, 0)
+    assert info["bytes"] > 0
+
+    _load_unet(server, models)
+    info = _json(server.cli("status", "--json"))
+    assert (info["entries"], info["misses"], info["hits"]) == (1, 1, 1)
+    assert _json(server.cli("list", "--json"))[0]["hits"] == 1
+    assert "UNet2DConditionModel" in server.cli("evict", entries[0]["key"]).stdout  # says what it evicted
+
+
+def test_evict_by_prefix_removes_only_that_entry_and_evict_all_empties_the_cache(server, tmp_path):
+    # Two small torch.load entries from one client run: a second entry without a second slow import.
+    import torch
+
+    paths = [tmp_path / "a.pt", tmp_path / "b.pt"]
+    for i, path in enumerate(paths):
+        torch.save({"w": torch.full((64, 64), float(i))}, path)
+    server.run(LOAD_TENSORS.format(paths=[str(p) for p in paths]), env=server.client_env(OVERMIND_STRICT="1"))
+    entries = _json(server.cli("list", "--json"))
+    assert len(entries) == 2
+    first, second = entries[0]["key"], entries[1]["key"]
+    out = server.cli("evict", first[:10]).stdout
+    assert first[:16] in out and second[:16] not in out
+    assert entries[0]["description"] in out  # says what it evicted: torch:load('.../a.pt')
+    assert [e["key"] for e in _json(server.cli("list", "--json"))] == [second]
+    assert _json(server.cli("status", "--json"))["entries"] == 1
+
+    out = server.cli("evict", "--all").stdout
+    assert second[:16] in out
+    assert _json(server.cli("list", "--json")) == []
+    info = _json(server.cli("status", "--json"))
+    assert (info["entries"], info["evictions"]) == (0, 2)
+
+
+def test_evict_of_an_unknown_key_exits_nonzero_with_a_message(server):
+    proc = server.cli("evict", "nonexistent", check=False)
+    assert proc.returncode == 1
+    assert "nonexistent" in proc.stderr and "no cached entry" in proc.stderr
+
+
+def test_shutdown_stops_the_server_and_removes_its_socket(server):
+    proc = server.cli("shutdown")
+    assert str(server.pid) in proc.stdout
+    assert server.proc.wait(timeout=15) == 0
+    assert not server.socket_path.exists()
+    again = server.cli("shutdown", check=False)  # nothing left to stop: not an error
+    assert again.returncode == 0 and "no server running" in again.stderr
+
+
+def test_status_without_a_server_exits_3_naming_the_socket(runtime_dir):
+    proc = _cli_without_server(runtime_dir, "status")
+    assert proc.returncode == 3
+    assert f"overmind: no server running at {runtime_dir / 'server.sock'}" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_runtime_dir_option_overrides_the_environment(server, runtime_dir, tmp_path):
+    # The environment points elsewhere; --runtime-dir (before or after the command) wins.
+    env = child_env(OVERMIND_RUNTIME_DIR=str(tmp_path / "elsewhere"), OVERMIND_NO_AUTOSTART="1")
+    for argv in (["--runtime-dir", str(runtime_dir), "status", "--json"],
+                 ["status", "--json", "--runtime-dir", str(runtime_dir)]):
+        proc = subprocess.run([sys.executable, "-m", "overmind.cli", *argv], env=env, capture_output=True,
+                              text=True, timeout=60, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        assert _json(proc)["pid"] == server.pid
