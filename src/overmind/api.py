@@ -172,7 +172,7 @@ def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] =
 
 
 def _context() -> dict:
-    from overmind.loader_pool import ENV_NAMES, ENV_PREFIXES
+    from overmind.config import ENV_NAMES, ENV_PREFIXES
 
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
     return {"python": sys.executable, "cwd": os.getcwd(), "sys_path": list(sys.path), "env": env}
@@ -187,8 +187,15 @@ def _load_target(target: Target, args: tuple, kwargs: dict) -> Any:
     except Uncacheable as why:
         logger.debug("not caching %s: %s", target.name, why)
         return target.original(*args, **kwargs)
+    from overmind.client import CachePending
+
     try:
         obj = _fetch(config, target, call)
+    except CachePending as pending:  # a miss: load here while the server caches it
+        if not pending.loading:
+            _warn_once(f"the cache cannot load this call ({pending.reason})")
+            return target.original(*args, **kwargs)
+        obj = target.original(*args, **kwargs)
     except Exception as err:
         _drop_connection()
         if config.strict:
@@ -206,7 +213,8 @@ def _fetch(config: Config, target: Target, call) -> Any:
 
     deadline = time.monotonic() + config.timeout
     conn = _connection(config, config.timeout)
-    request = P.Load(call.key, target.name, call.description, _context(), call.refs, modules=target.modules)
+    request = P.Load(call.key, target.name, call.description, _context(), call.refs, modules=target.modules,
+                     wait=config.cold_wait)
     reply, skeleton = conn.load(request, call.blob, timeout=max(0.1, deadline - time.monotonic()))
     references = dict(call.ref_objects)
     for key in reply.meta.get("references", []):
@@ -289,6 +297,21 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
     points += patching.parse_patch_specs(config.patch) if config.patch.strip() else []
     points += [patching.PatchPoint.parse(p) for p in extra]
     patching.patch(points, _make_wrapper)
+    if config.prestart:
+        threading.Thread(target=_prepare, args=(config,), daemon=True, name="overmind-prepare").start()
+
+
+def _prepare(config: Config) -> None:
+    """Background: reach (or start) the server and have it start a loader for this context,
+    overlapping the loader's start-up with the script's own imports."""
+    try:
+        from overmind import protocol as P
+        from overmind.client import Connection
+
+        with Connection.open(config, timeout=config.timeout) as conn:
+            conn.simple(P.Prepare(_context()), P.Ok)
+    except Exception as err:  # the first load reports problems; this is only a head start
+        logger.debug("prestart failed: %s", err)
 
 
 def unpatch_all() -> None:

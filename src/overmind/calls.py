@@ -201,23 +201,41 @@ _versions: Optional[tuple] = None
 
 
 def library_versions() -> tuple:
+    """Versions of the libraries that shape a load, from their dist-info folder names.
+
+    A directory listing per ``sys.path`` entry; ``importlib.metadata`` parses every
+    METADATA file and costs ~10 ms, on the warm path of every process.
+    """
     global _versions
     if _versions is None:
-        from importlib import metadata
-
-        found = []
-        for name in _LIBRARIES:
+        wanted = {name.lower() for name in _LIBRARIES}
+        found: dict[str, str] = {}
+        for entry in sys.path:
             try:
-                found.append((name, metadata.version(name)))
-            except metadata.PackageNotFoundError:
-                found.append((name, None))
-        _versions = (sys.version_info[:3], tuple(found))
+                names = os.listdir(entry or ".")
+            except OSError:
+                continue
+            for fname in names:
+                for suffix in (".dist-info", ".egg-info"):
+                    if fname.endswith(suffix):
+                        name, _, version = fname[: -len(suffix)].partition("-")
+                        name = name.lower().replace("_", "-")
+                        if name in wanted and name not in found:
+                            found[name] = version
+        _versions = (sys.version_info[:3], tuple((n, found.get(n)) for n in _LIBRARIES))
     return _versions
 
 
 def _describe(target: Target, args: tuple, kwargs: dict) -> str:
-    def short(v):
-        text = repr(v)
+    def short(v) -> str:
+        if v is None or isinstance(v, (str, int, float, bool, Path)):
+            text = repr(v)
+        elif isinstance(v, (list, tuple)):
+            text = "[" + ", ".join(short(x) for x in v[:4]) + (", ..." if len(v) > 4 else "") + "]"
+        elif type(v).__module__ == "torch" and type(v).__name__ == "dtype":
+            text = str(v)
+        else:
+            text = f"<{type(v).__name__}>"  # repr of a model costs milliseconds
         return text if len(text) <= 60 else text[:57] + "..."
 
     parts = [short(a) for a in args] + [f"{k}={short(v)}" for k, v in kwargs.items()]

@@ -30,7 +30,7 @@ from overmind.memfd import Segment
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Connection", "ServerUnavailable", "start_server", "CONNECT_TIMEOUT"]
+__all__ = ["Connection", "ServerUnavailable", "CachePending", "start_server", "CONNECT_TIMEOUT"]
 
 CONNECT_TIMEOUT = 5.0
 START_TIMEOUT = 30.0
@@ -38,6 +38,16 @@ START_TIMEOUT = 30.0
 
 class ServerUnavailable(ConnectionError):
     """No server could be reached or started."""
+
+
+class CachePending(Exception):
+    """A miss being loaded in the background (Note [Cold loads run behind the caller])."""
+
+    def __init__(self, key: str, loading: bool, reason: str) -> None:
+        super().__init__(reason or f"{key} is loading in the background")
+        self.key = key
+        self.loading = loading
+        self.reason = reason
 
 
 def _connect(path: str, timeout: float) -> socket.socket:
@@ -142,6 +152,8 @@ class Connection:
         message, skeleton, fds = self.request(request, blob, timeout)
         for fd in fds:
             os.close(fd)
+        if isinstance(message, P.Pending):
+            raise CachePending(message.key, message.loading, message.reason)
         return P.expect(message, P.Entry, "for a load"), skeleton
 
     def map_segments(self, entry: P.Entry) -> list[Optional[mmap.mmap]]:

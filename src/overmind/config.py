@@ -14,10 +14,15 @@ Standard library only (the server imports it)::
 ``OVERMIND_STRICT``        ``1``: raise instead of falling back to a plain load.
 ``OVERMIND_TIMEOUT``       seconds a client waits for the server, cold loads included
                            (default 300); past it, the plain load runs.
+``OVERMIND_COLD``          ``background`` (default): on a miss the caller loads plainly while
+                           the server fills the cache; ``wait``: the caller waits for the
+                           cache (always so with ``OVERMIND_STRICT=1``).
 ``OVERMIND_PATCH``         extra patch points, ``module::Qualname.attr``, comma separated.
 ``OVERMIND_LOADER_TIMEOUT`` seconds before the server kills a loader (default 3600).
 ``OVERMIND_WORKERS``       loads that run at once for different keys (default 2).
 ``OVERMIND_NO_AUTOSTART``  ``1``: clients never start a server themselves.
+``OVERMIND_PRESTART``      ``0``: ``monkey_patch_all()`` does not ask the server, in the
+                           background, to get a loader ready for this process.
 ``OVERMIND_LOG_LEVEL``     server log level (default INFO).
 =========================  =========================================================
 """
@@ -29,7 +34,13 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Config", "ConfigError", "default_runtime_dir", "ensure_private_dir"]
+__all__ = ["Config", "ConfigError", "default_runtime_dir", "ensure_private_dir", "ENV_PREFIXES", "ENV_NAMES"]
+
+# Environment a loader inherits from the client (and that selects its zygote).
+ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "CUDA_", "NVIDIA_", "TORCH_", "PYTORCH_",
+                "OMP_", "MKL_", "BNB_", "ACCELERATE_", "SAFETENSORS_", "TOKENIZERS_", "XDG_", "LC_")
+ENV_NAMES = ("HOME", "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHASHSEED", "VIRTUAL_ENV", "LANG",
+             "TMPDIR", "USER", "LOGNAME", "TZ", "OVERMIND_NO_EXT")
 
 
 class ConfigError(ValueError):
@@ -89,6 +100,8 @@ class Config:
     loader_timeout: float = 3600.0
     workers: int = 2
     autostart: bool = True
+    prestart: bool = True
+    cold_wait: bool = False
     log_level: str = "INFO"
 
     @classmethod
@@ -103,6 +116,8 @@ class Config:
             loader_timeout=_number(env, "OVERMIND_LOADER_TIMEOUT", 3600.0, 1.0),
             workers=int(_number(env, "OVERMIND_WORKERS", 2, 1)),
             autostart=not _flag(env, "OVERMIND_NO_AUTOSTART"),
+            cold_wait=env.get("OVERMIND_COLD", "background").strip().lower() == "wait" or _flag(env, "OVERMIND_STRICT"),
+            prestart=env.get("OVERMIND_PRESTART", "1").strip().lower() not in ("0", "false", "no", "off"),
             log_level=env.get("OVERMIND_LOG_LEVEL", "INFO").upper(),
         )
 

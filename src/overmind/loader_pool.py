@@ -31,17 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overmind import protocol as P
-from overmind.config import Config
+from overmind.config import ENV_NAMES, ENV_PREFIXES, Config
 
 logger = logging.getLogger("overmind.server.loaders")
 
 __all__ = ["Context", "LoaderPool", "LoadFailure", "context_from_wire", "ENV_PREFIXES", "ENV_NAMES"]
 
-# Environment a loader inherits from the client (and that selects its zygote).
-ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "CUDA_", "NVIDIA_", "TORCH_", "PYTORCH_",
-                "OMP_", "MKL_", "BNB_", "ACCELERATE_", "SAFETENSORS_", "TOKENIZERS_", "XDG_", "LC_", "OVERMIND_")
-ENV_NAMES = ("HOME", "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHASHSEED", "VIRTUAL_ENV", "LANG",
-             "TMPDIR", "USER", "LOGNAME", "TZ")
 MAX_ZYGOTES = 4
 READY_TIMEOUT = 300.0
 
@@ -179,6 +174,16 @@ class LoaderPool:
                 _, oldest = self.zygotes.popitem(last=False)
                 oldest.close()
             return zygote
+
+    def prepare(self, context: Context) -> None:
+        """Have a ready zygote for ``context`` (clients ask right after monkey_patch_all())."""
+        try:
+            zygote = self._zygote(context)
+            with zygote.lock:
+                if not zygote.ready:
+                    zygote._wait_ready()
+        except Exception as err:  # a later load retries and reports properly
+            logger.warning("preparing a loader for context %s failed: %s", context.key, err)
 
     def _discard(self, zygote: Zygote) -> None:
         with self.lock:

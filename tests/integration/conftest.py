@@ -55,6 +55,15 @@ class ServerProcess:
         with Connection.open(Config.from_env(self.env), role="cli", autostart=False) as conn:
             return conn.simple(P.Status(), P.StatusReply).info
 
+    def wait_idle(self, timeout: float = 180.0) -> dict:
+        """Wait until no load is in flight (cold loads finish behind the caller)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if status["loading"] == 0 or time.monotonic() > deadline:
+                return status
+            time.sleep(0.1)
+
     def log(self) -> str:
         try:
             return (self.runtime_dir / "server.log").read_text()

@@ -125,7 +125,7 @@ def test_every_patch_point_round_trips_and_warm_loads_hit(server, paths):
     assert server.status()["misses"] == 0
     cold = run_client(server, paths)
     assert "overmind:" not in cold.stderr, cold.stderr[-3000:]
-    status = server.status()
+    status = server.wait_idle()
     assert status["misses"] > 0 and status["entries"] == status["misses"], server.log()
     warm = run_client(server, paths)
     assert "overmind:" not in warm.stderr, warm.stderr[-3000:]
