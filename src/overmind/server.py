@@ -10,6 +10,15 @@ and runs cold loads in loader processes (``overmind.loader``). It never imports
 torch and never initialises CUDA: a CUDA context here would hold GPU memory for
 the life of the daemon.
 
+Note [Cold loads run behind the caller]
+On a miss the server starts the load in a loader process and, unless the client
+asked to wait (``OVERMIND_STRICT=1`` or ``OVERMIND_COLD=wait``), answers ``Pending``
+at once: the client runs the original loader itself, exactly as without overmind,
+while the loader fills the cache for every later call. A first load therefore
+costs about a plain load, not a plain load plus a copy into shared memory. Loads
+that wait, and loaders fetching ``vae=vae`` arguments (``lookup_only``), wait for
+the flight instead. A failed load is remembered for ``FAILURE_TTL`` seconds.
+
 Note [Server owns segment fds]
 An entry's segments are the fds the loader sent over ``SCM_RIGHTS``; the server
 holds them until eviction and closes them then. Clients open their own fds through
@@ -41,6 +50,15 @@ logger = logging.getLogger("overmind.server")
 
 __all__ = ["Server", "Registry", "CacheEntry", "main"]
 
+# A key whose load failed is not tried again for this long: every later request would
+# otherwise pay a loader (and usually fail the same way).
+FAILURE_TTL = 600.0
+
+# A client's only blob is a pickled call (paths, configs, entry references): kilobytes. The
+# protocol's MAX_BLOB is sized for skeletons; a client claiming that much must not make the
+# server allocate it (Note [Frames are untrusted] in overmind.protocol).
+MAX_REQUEST_BLOB = 64 << 20
+
 
 @dataclass
 class CacheEntry:
@@ -70,6 +88,7 @@ class CacheEntry:
             "key": self.key, "target": self.target, "description": self.description, "bytes": self.nbytes,
             "skeleton_bytes": len(self.skeleton), "segments": sum(1 for s in self.slots if s is not None),
             "hits": self.hits, "created": self.created, "last_used": self.last_used, "refs": self.refs,
+            "meta": self.meta,
         }
 
 
@@ -80,6 +99,7 @@ class Registry:
         self.lock = threading.Lock()
         self.entries: dict[str, CacheEntry] = {}
         self.flights: dict[str, "Flight"] = {}
+        self.failures: dict[str, tuple[float, P.Error]] = {}  # key -> (when, error): not retried for a while
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -232,7 +252,7 @@ class Server:
                 P.send_message(conn, P.Welcome(P.PROTOCOL_VERSION, os.getpid(), __version__, self.uid))
                 conn.settimeout(None)
                 while not self.stopping.is_set():
-                    message, blob, fds = P.recv_message(conn)
+                    message, blob, fds = P.recv_message(conn, max_blob=MAX_REQUEST_BLOB)
                     self._drop(fds)  # clients never send fds
                     with self.active_lock:
                         self.active += 1
@@ -243,6 +263,9 @@ class Server:
                             self.active -= 1
             except EOFError:
                 pass
+            except P.VersionMismatch as err:
+                logger.warning("closing connection from pid %d: %s", pid, err)
+                self._reply_error(conn, P.ErrorCode.VERSION_MISMATCH, str(err))
             except (P.ProtocolError, socket.timeout) as err:
                 logger.warning("closing connection from pid %d: %s", pid, err)
                 self._reply_error(conn, P.ErrorCode.BAD_REQUEST, str(err))
@@ -284,6 +307,14 @@ class Server:
                 return self._reply_error(conn, P.ErrorCode.BAD_REQUEST,
                                          f"{message.key!r} matches {len(keys)} entries; give more of the key")
             P.send_message(conn, P.Evicted(self.registry.evict(keys)))
+        elif isinstance(message, P.Prepare):
+            try:
+                context = context_from_wire(message.context)
+            except LoadFailure as failure:
+                return self._reply_error(conn, failure.code, failure.message)
+            threading.Thread(target=self.loaders.prepare, args=(context,), daemon=True,
+                             name="overmind-prepare").start()
+            P.send_message(conn, P.Ok())
         elif isinstance(message, P.Shutdown):
             P.send_message(conn, P.Ok())
             logger.info("shutdown requested by pid %d", pid)
@@ -311,40 +342,61 @@ class Server:
                                      entry.nbytes, hit, entry.meta), entry.skeleton)
 
     def _load(self, conn: socket.socket, request: P.Load, blob: bytes, pid: int) -> None:
+        """Hit, or miss: see Note [Cold loads run behind the caller]."""
         entry = self.registry.get(request.key)
         if entry is not None:
             return self._send_entry(conn, entry, hit=True)
-        if request.lookup_only:
-            return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {request.key}")
         with self.registry.lock:
             entry = self.registry.entries.get(request.key)
             flight = self.registry.flights.get(request.key) if entry is None else None
-            leader = entry is None and flight is None
-            if leader:
+            failure = self.registry.failures.get(request.key)
+            if failure is not None and time.monotonic() - failure[0] > FAILURE_TTL:
+                del self.registry.failures[request.key]
+                failure = None
+            start = entry is None and flight is None and failure is None and not request.lookup_only
+            if start:
                 flight = self.registry.flights[request.key] = Flight()
                 self.registry.misses += 1
         if entry is not None:
             return self._send_entry(conn, entry, hit=True)
-        assert flight is not None
-        if leader:
-            try:
-                flight.entry = self._run_load(request, blob, pid)
-            except LoadFailure as failure:
-                flight.error = P.Error(failure.code, failure.message, failure.traceback)
-            except Exception as err:  # pragma: no cover - reported, never fatal
-                logger.exception("load of %s failed inside the server", request.key)
-                flight.error = P.Error(P.ErrorCode.INTERNAL, f"server error: {err}")
-            finally:
-                with self.registry.lock:
-                    self.registry.flights.pop(request.key, None)
-                flight.done.set()
-        else:
-            flight.done.wait()
-        if flight.entry is not None:
-            self._send_entry(conn, flight.entry, hit=False)
-        else:
+        if flight is None:
+            if request.lookup_only:
+                return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {request.key}")
+            assert failure is not None
+            if request.wait:
+                return P.send_message(conn, failure[1])
+            return P.send_message(conn, P.Pending(request.key, False, failure[1].message))
+        if start:
+            threading.Thread(target=self._fly, args=(flight, request, blob, pid), daemon=True,
+                             name="overmind-load").start()
+        if not (request.wait or request.lookup_only):
+            return P.send_message(conn, P.Pending(request.key, True, ""))
+        if not flight.done.wait(self.config.loader_timeout + 60):
+            return self._reply_error(conn, P.ErrorCode.LOADER_TIMEOUT, f"gave up waiting for {request.key}")
+        if flight.entry is None:
             assert flight.error is not None
-            P.send_message(conn, flight.error)
+            return P.send_message(conn, flight.error)
+        if not start:  # served by another request's load: a hit, so hits + misses = requests
+            with self.registry.lock:
+                self.registry.hits += 1
+                flight.entry.hits += 1
+        self._send_entry(conn, flight.entry, hit=not start)
+
+    def _fly(self, flight: "Flight", request: P.Load, blob: bytes, pid: int) -> None:
+        try:
+            flight.entry = self._run_load(request, blob, pid)
+        except LoadFailure as failure:
+            flight.error = P.Error(failure.code, failure.message, failure.traceback)
+        except Exception as err:  # pragma: no cover - reported, never fatal
+            logger.exception("load of %s failed inside the server", request.key)
+            flight.error = P.Error(P.ErrorCode.INTERNAL, f"server error: {err}")
+        finally:
+            with self.registry.lock:
+                self.registry.flights.pop(request.key, None)
+                if flight.error is not None:
+                    self.registry.failures[request.key] = (time.monotonic(), flight.error)
+                    logger.warning("load of %s failed: %s", request.key[:16], flight.error.message)
+            flight.done.set()
 
     def _run_load(self, request: P.Load, blob: bytes, pid: int) -> CacheEntry:
         context = context_from_wire(request.context)
