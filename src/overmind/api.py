@@ -50,6 +50,8 @@ DEFAULT_PATCH_POINTS = (
     "diffusers.loaders.single_file::FromSingleFileMixin.from_single_file",
     "diffusers.loaders.single_file_model::FromOriginalModelMixin.from_single_file",
     "transformers.modeling_utils::PreTrainedModel.from_pretrained",
+    # AutoModel*: one keyed call instead of AutoConfig in the client, then the model class.
+    "transformers.models.auto.auto_factory::_BaseAutoModelClass.from_pretrained",
     "transformers.tokenization_utils_base::PreTrainedTokenizerBase.from_pretrained",
     "transformers.models.auto.processing_auto::AutoProcessor.from_pretrained",
     "transformers.models.auto.image_processing_auto::AutoImageProcessor.from_pretrained",

@@ -17,7 +17,6 @@ import logging
 import mmap
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -82,6 +81,8 @@ def start_server(config: Config, timeout: float = START_TIMEOUT) -> None:
                 return  # someone else started it while we waited
             except OSError:
                 pass
+            import subprocess
+
             env = dict(os.environ, OVERMIND_RUNTIME_DIR=str(config.runtime_dir))
             logger.info("starting overmind-server in %s", config.runtime_dir)
             proc = subprocess.run(
@@ -119,6 +120,13 @@ class Connection:
         except OSError as err:
             raise ServerUnavailable(f"cannot connect to {config.socket_path}: {err}") from None
         try:
+            # Note: the kernel's word, not the Welcome's. A server of another user (a squatted
+            # /tmp/overmind-<uid>, a shared OVERMIND_RUNTIME_DIR) must never see our request and
+            # its context, and its skeletons are pickles: unpickling one runs its code.
+            _, peer_uid, _ = P.peer_credentials(sock)
+            if peer_uid != os.getuid():
+                raise ServerUnavailable(f"refusing the server at {config.socket_path}: it runs as uid {peer_uid}, "
+                                        f"not as you (uid {os.getuid()}); use a private OVERMIND_RUNTIME_DIR")
             sock.settimeout(connect_timeout)
             P.send_message(sock, P.Hello(P.PROTOCOL_VERSION, os.getpid(), role, __version__))
             message, _, fds = P.recv_message(sock, max_blob=0)

@@ -24,7 +24,7 @@ move freely.
 Note [Tensors as table entries]
 Torch's own tensor reduction costs ~25 us a tensor to unpickle (fake-mode checks,
 TypedStorage wrappers, a Python frame per tensor): most of a warm load. Plain strided
-tensors and ``nn.Parameter``\\s without extra state are instead built in one loop
+tensors and ``nn.Parameter``\\s (with at most simple attributes) are built in one loop
 before unpickling, and the pickle refers to them by index, resolved in C by
 ``list.__getitem__``. Anything unusual (subclasses, hooks, conjugate bits, sparse or
 quantized layouts) takes torch's path, with its storage still a table entry.
@@ -76,8 +76,6 @@ import pickle
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import torch
 
 from overmind.memfd import ALIGNMENT, Segment, align_up, buffer_at
@@ -89,7 +87,8 @@ __all__ = ["FORMAT", "StorageRef", "TensorRef", "Packed", "pack", "unpack", "PIC
            "register_reducer"]
 
 PICKLE_PROTOCOL = 5
-FORMAT = "overmind-skeleton-1"
+FORMAT = "overmind-skeleton-2"
+_SIMPLE = (bool, int, float, str, type(None))
 # Storages smaller than a page are packed at cache-line alignment; larger ones start on a page.
 _SMALL_ALIGNMENT = 64
 
@@ -113,6 +112,7 @@ class TensorRef(NamedTuple):
     stride: tuple
     requires_grad: bool
     parameter: bool
+    state: Optional[tuple] = None  # simple instance attributes, e.g. transformers' _is_hf_initialized
 
 
 class TypedStorageRef(NamedTuple):
@@ -191,11 +191,13 @@ class _SegmentWriter:
         self.name = name
         self.segment: Optional[Segment] = None
         self.end = 0
-        self.pool: Optional[ThreadPoolExecutor] = None
-        self.pending: list[Future] = []
+        self.pool = None  # a one-thread ThreadPoolExecutor, made on first use
+        self.pending: list = []
 
     def reserve(self, nbytes: int, address: int) -> int:
         if self.segment is None:
+            from concurrent.futures import ThreadPoolExecutor  # packing only: keep unpack's imports light
+
             self.segment = Segment.create(self.name, 0)
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"overmind-fill-{self.name}")
         # Keep the source's misalignment within a cache line: see Note [Same alignment, same numbers].
@@ -339,7 +341,7 @@ class _SkeletonPickling:
             or t.is_quantized
             or t.is_conj()
             or t.is_neg()
-            or t.__dict__
+            or (t.__dict__ and not all(type(v) in _SIMPLE for v in t.__dict__.values()))
             or getattr(t, "_backward_hooks", None)
             or (not parameter and t.grad_fn is not None)
         ):
@@ -350,7 +352,7 @@ class _SkeletonPickling:
             return index
         storage = self._tables.storage(t.untyped_storage())
         record = TensorRef(storage, _dtype_name(t.dtype), t.storage_offset(), tuple(t.size()), tuple(t.stride()),
-                           t.requires_grad, parameter)
+                           t.requires_grad, parameter, tuple(t.__dict__.items()) if t.__dict__ else None)
         return self._tables.add_object(key, record, t)
 
 
@@ -444,11 +446,13 @@ def _build_objects(objects: list, storages: list, references: dict) -> list:
             dtype = dtypes[name] = _dtype_from_name(name)
         return dtype
 
-    tensor_slots, tensor_records = [], []
+    tensor_slots, tensor_records, states = [], [], []
     built: list = [None] * len(objects)
     for slot, (kind, record) in enumerate(objects):
         if kind == "TensorRef":
-            storage, dtype_name, offset, size, stride, requires_grad, parameter = record
+            storage, dtype_name, offset, size, stride, requires_grad, parameter = record[:7]
+            if len(record) > 7 and record[7]:
+                states.append((len(tensor_slots), record[7]))
             tensor_slots.append(slot)
             tensor_records.append((storage, dtype_of(dtype_name), offset, size, stride, requires_grad, parameter))
         elif kind == "TypedStorageRef":
@@ -469,6 +473,8 @@ def _build_objects(objects: list, storages: list, references: dict) -> list:
         tensors = build_tensors(storages, tensor_records)
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
         raise pickle.UnpicklingError(f"corrupt tensor table in skeleton: {err}") from err
+    for position, state in states:
+        tensors[position].__dict__.update(state)
     for slot, tensor in zip(tensor_slots, tensors):
         built[slot] = tensor
     return built

@@ -30,6 +30,7 @@ close the fd at once, so eviction frees the pages when the last client unmaps
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
 import os
 import signal
@@ -139,6 +140,13 @@ class Registry:
             return list(self.entries)
 
 
+class AlreadyRunning(ConfigError):
+    """Another server owns this runtime dir (exit status EXIT_ALREADY_RUNNING)."""
+
+
+EXIT_ALREADY_RUNNING = 75  # systemd: RestartPreventExitStatus=75
+
+
 class Flight:
     def __init__(self) -> None:
         self.done = threading.Event()
@@ -165,10 +173,18 @@ class Server:
     def startup(self) -> None:
         ensure_private_dir(self.config.runtime_dir)
         path = self.config.socket_path
+        # One server per runtime dir: held for the process's life, released by the kernel on death,
+        # so a stale socket file can be replaced safely and shutdown never removes another's socket.
+        self.instance_lock = open(self.config.runtime_dir / "server.instance.lock", "a")
+        try:
+            fcntl.flock(self.instance_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.instance_lock.close()
+            raise AlreadyRunning(f"another overmind-server is already running in {self.config.runtime_dir}") from None
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(path))
-            raise ConfigError(f"another overmind-server is already listening on {path}")
+            raise AlreadyRunning(f"another overmind-server is already listening on {path}")
         except (FileNotFoundError, ConnectionRefusedError):
             pass
         finally:
@@ -505,7 +521,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, OSError) as err:
         logger.error("cannot start: %s", err)
         print(f"overmind-server: {err}", file=sys.stderr)
-        return 1
+        return EXIT_ALREADY_RUNNING if isinstance(err, AlreadyRunning) else 1
     _install_signals(server)
     line = f"overmind-server ready: pid {os.getpid()}, socket {config.socket_path}, version {__version__}\n"
     logger.info(line.strip())
