@@ -1,25 +1,55 @@
 """Library-specific fixes so loaded objects pickle, and unpickle in the client.
 
-    prepare_for_pickle(result)     # loader: strip accelerate hooks and warning patches
+    prepare_for_pickle(result)     # loader: strip accelerate hooks and warning patches,
+                                   # register reducers for loaded libraries (bitsandbytes)
     dynamic_module_paths()         # loader: sys.path entries the client needs for
                                    # diffusers_modules / transformers_modules classes
 
 Everything here is about third-party objects; nothing is imported unless the
 library is already loaded.
+
+Note [Quantised parameters]
+bitsandbytes keeps quantised weights in ``nn.Parameter`` subclasses whose Python
+attributes carry what a forward pass needs: ``Params4bit`` its ``quant_state``
+(absmax, code, blocksize, quant_type, dtype, shape, nested state) and ``module``,
+``Int8Params`` its ``CB``/``SCB``. torch's ``Parameter.__reduce_ex__`` rebuilds them as
+plain ``nn.Parameter``\s, so the class is lost (and with it bitsandbytes' and
+transformers' ``isinstance`` checks). Rebuilding through ``from_prequantized`` with
+``QuantState.as_dict(packed=True)`` would keep the class but drop attributes outside that
+serialisation format (``packing_format_for_cpu``) and copy the state tensors. Instead
+the class and ``__dict__`` are kept exactly: the data travels as a plain tensor (a
+table entry, so it is rebuilt zero-copy over the segment), the class is restored with
+``Tensor._make_subclass`` (which aliases that storage), and the attributes are set
+after the parameter is memoised, so the ``module`` back-reference and any other cycle
+resolve to the same objects. The reducers are registered only once bitsandbytes is
+in ``sys.modules``: importing it probes for CUDA, which a zygote must never do
+(Note [Zygotes never touch CUDA] in ``overmind.loader_pool``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["prepare_for_pickle", "dynamic_module_paths", "modules_of"]
+__all__ = [
+    "prepare_for_pickle", "dynamic_module_paths", "modules_of", "register_reducers",
+    "ParameterSubclass", "rebuild_parameter_subclass", "set_parameter_state",
+]
 
 DYNAMIC_PACKAGES = ("diffusers_modules", "transformers_modules")
+
+# (module, class) of Parameter subclasses kept by reduce_parameter_subclass once the module
+# is imported; see Note [Quantised parameters].
+PARAMETER_SUBCLASSES = (
+    ("bitsandbytes.nn.modules", "Params4bit"),
+    ("bitsandbytes.nn.modules", "Int8Params"),
+)
 
 
 def modules_of(obj: Any) -> Iterator[Any]:
@@ -47,7 +77,10 @@ def prepare_for_pickle(obj: Any) -> None:
     transformers and accelerate also replace ``.to``/``.cuda`` on quantised models with
     instance attributes that only warn. The weights are already where the hooks put
     them, so the result works without them.
+
+    Also registers the reducers of Note [Quantised parameters] for libraries already imported.
     """
+    register_reducers()
     hooks = sys.modules.get("accelerate.hooks")
     for module in modules_of(obj):
         if hooks is not None:
@@ -70,3 +103,64 @@ def dynamic_module_paths() -> list[str]:
             if parent not in paths:
                 paths.append(parent)
     return paths
+
+
+# --- parameter subclasses (bitsandbytes); see Note [Quantised parameters] -----------------
+
+PARAMETER_SUBCLASS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ParameterSubclass:
+    """What :func:`rebuild_parameter_subclass` needs: named in stored skeletons, never rename or move.
+
+    New fields get defaults, so records pickled by an older overmind still load; a change
+    older code cannot read bumps ``version``.
+    """
+
+    cls: type  # the exact Parameter subclass
+    data: Any  # a plain tensor over the parameter's storage
+    requires_grad: bool = False
+    version: int = PARAMETER_SUBCLASS_VERSION
+
+
+def rebuild_parameter_subclass(record: ParameterSubclass) -> Any:
+    """Unpickling: the parameter, of its own class, aliasing ``record.data``; attributes follow."""
+    if getattr(record, "version", None) != PARAMETER_SUBCLASS_VERSION:
+        raise pickle.UnpicklingError(
+            f"parameter record version {getattr(record, 'version', None)!r} is not {PARAMETER_SUBCLASS_VERSION}; "
+            "this cache entry was written by another overmind version. Run `overmind evict --all`."
+        )
+    import torch  # already imported: the record's data is a tensor
+
+    return torch.Tensor._make_subclass(record.cls, record.data, record.requires_grad)
+
+
+def set_parameter_state(param: Any, state: dict) -> None:
+    """Unpickling: the parameter's Python attributes (a pickle ``state_setter``: ``Tensor.__setstate__``
+    would refuse a dict)."""
+    param.__dict__.update(state)
+
+
+def reduce_parameter_subclass(param: Any) -> tuple:
+    """Pickling: class, data and requires_grad as a record; ``__dict__`` as state (set after memoising)."""
+    record = ParameterSubclass(type(param), param.data, bool(param.requires_grad))
+    return (rebuild_parameter_subclass, (record,), dict(param.__dict__) or None, None, None, set_parameter_state)
+
+
+def register_reducers() -> list[type]:
+    """Register reducers for the Parameter subclasses of libraries already imported (idempotent).
+
+    Imports nothing that is not loaded yet. Returns the classes registered.
+    """
+    classes = []
+    for module_name, class_name in PARAMETER_SUBCLASSES:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(cls, type):
+            classes.append(cls)
+    if classes:
+        from overmind.reductions import register_reducer  # torch is loaded: the library imported it
+
+        for cls in classes:
+            register_reducer(cls, reduce_parameter_subclass)
+    return classes
