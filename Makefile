@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml setup.py csrc/overmind.cpp
 
 # The main job: cold vs warm load of a model generated on this machine.
 demo: venv
-	HF_HUB_OFFLINE=1 $(PY) benchmarks/core_rebuild.py --runs 3
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/server_loads.py --runs 1
 
 test: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --timeout=600 tests

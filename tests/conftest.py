@@ -17,6 +17,18 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 REPO = Path(__file__).resolve().parent.parent
 
 
+def age_files(*paths, seconds: float = 30.0) -> None:
+    """Backdate files so they are not 'racy' (overmind.calls Note [Racy files]): tests save a
+    model and load it within the same second, which overmind rightly refuses to cache."""
+    import time
+
+    stamp = time.time() - seconds
+    for path in paths:
+        path = Path(path)
+        for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+            os.utime(p, (stamp, stamp))
+
+
 def child_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OVERMIND_")}
     env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})

@@ -175,8 +175,22 @@ def hub_snapshot(repo_id: str, revision: Optional[str] = None) -> Optional[Path]
     return snapshot if snapshot.is_dir() else None
 
 
-def fingerprint_paths(paths: list[str]) -> list[tuple]:
-    """(path, size, mtime_ns, inode, device) of every file under ``paths`` (symlinks followed)."""
+# Note [Racy files]
+# File timestamps advance with the kernel's coarse clock (a few ms), so a file rewritten
+# in place twice within one tick keeps its size, inode and mtime. A call whose files were
+# modified less than RACY_SECONDS ago is therefore not cached (as git treats racy index
+# entries): it could not be told apart from the next version of those files.
+RACY_SECONDS = 2.0
+
+
+def fingerprint_paths(paths: list[str], now: Optional[float] = None) -> list[tuple]:
+    """(path, size, mtime_ns, inode, device) of every file under ``paths`` (symlinks followed).
+
+    Raises Uncacheable if a file changed too recently to be fingerprinted (Note [Racy files]).
+    """
+    import time
+
+    limit = int(((time.time() if now is None else now) - RACY_SECONDS) * 1e9)
     out: list[tuple] = []
     for path in sorted(set(paths)):
         try:
@@ -194,6 +208,9 @@ def fingerprint_paths(paths: list[str]) -> list[tuple]:
                     except OSError:
                         continue
                     out.append((full, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
+    for entry in out:
+        if entry[2] > limit:
+            raise Uncacheable(f"{entry[0]} was modified less than {RACY_SECONDS:g}s ago")
     return out
 
 

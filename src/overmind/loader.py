@@ -88,6 +88,60 @@ def _state_of(obj: Any) -> Any:
             for m in modules]
 
 
+class FileObserver:
+    """Which files a load read: Python-level opens (an audit hook) and file mappings.
+
+    Note [Observed files]
+    The key already fingerprints the paths named in the arguments, but a loader may read
+    files no argument names (a config's base model, a custom patch point's own index). The
+    loader therefore records every regular file opened for reading while the original
+    runs, plus every file mapped into the process by then (safetensors maps its files from
+    Rust, unseen by Python's audit events). The server re-checks these fingerprints on
+    every hit and treats a change as a miss. Files under the interpreter's own prefixes
+    (the libraries themselves) are left out: their versions are in the key.
+    """
+
+    def __init__(self) -> None:
+        self.paths: set[str] = set()
+        self.active = False
+        prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix}
+        prefixes |= {p for p in sys.path if "site-packages" in p or "dist-packages" in p}
+        self.ignored = tuple(os.path.join(os.path.realpath(p), "") for p in prefixes if p)
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if not self.active or event != "open":
+            return
+        path, mode = args[0], args[1]
+        if isinstance(path, (str, bytes)) and (mode is None or "r" in str(mode) or "+" in str(mode)):
+            self.paths.add(os.fsdecode(path))
+
+    def mapped(self) -> set[str]:
+        found = set()
+        try:
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].startswith("/"):
+                        found.add(parts[5].rstrip("\n").removesuffix(" (deleted)"))
+        except OSError:
+            pass
+        return found
+
+    def fingerprints(self, before_maps: set[str]) -> list[list]:
+        out = []
+        for path in sorted(self.paths | (self.mapped() - before_maps)):
+            try:
+                real = os.path.realpath(path)
+                st = os.stat(real)
+            except OSError:
+                continue
+            if not os.path.isfile(real) or real.startswith(self.ignored) or real.startswith(("/proc/", "/dev/", "/sys/")):
+                continue
+            out.append([real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev])
+        return out
+
+
 def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
     """Run one load in this (forked) process; answer on ``job_sock``. Returns the exit code."""
     started = time.monotonic()
@@ -107,7 +161,14 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
 
         fn, args, kwargs, refs = decode_call(blob, resolve_entry)
         before = {key: _state_of(obj) for key, obj in refs.items()}
-        result = fn(*args, **kwargs)
+        observer = FileObserver()
+        maps_before = observer.mapped()
+        observer.active = True
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            observer.active = False
+        files = observer.fingerprints(maps_before)
         loaded = time.monotonic()
         quirks.prepare_for_pickle(result)
         # Arguments handed back unchanged travel as references: the client puts its own object there.
@@ -120,6 +181,7 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
             "original_seconds": loaded - started, "pack_seconds": time.monotonic() - loaded,
             "sys_path_extra": quirks.dynamic_module_paths(),
             "references": sorted(set(references.values())),
+            "files": files,  # Note [Observed files]
         }
         P.send_message(job_sock, P.JobResult(job.key, [packed.segments[i].size for i in slots], slots,
                                              len(packed.segments), packed.nbytes, [], meta),

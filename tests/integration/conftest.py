@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import REPO, child_env, run_python
+from ..conftest import REPO, age_files, child_env, run_python
 
 
 class ServerProcess:
@@ -114,6 +114,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
         "controlnet_b": modelgen.save_controlnet(root / "controlnet_b", seed=4),
         "lm": modelgen.save_lm(root / "lm", seed=5),
     }
+    age_files(root)
     return out
 
 

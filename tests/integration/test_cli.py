@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from ..conftest import REPO, child_env
+from ..conftest import REPO, age_files, child_env
 
 LOAD_UNET = """
 import overmind.api
@@ -80,6 +80,7 @@ def test_evict_by_prefix_removes_only_that_entry_and_evict_all_empties_the_cache
     paths = [tmp_path / "a.pt", tmp_path / "b.pt"]
     for i, path in enumerate(paths):
         torch.save({"w": torch.full((64, 64), float(i))}, path)
+    age_files(*paths)
     server.run(LOAD_TENSORS.format(paths=[str(p) for p in paths]), env=server.client_env(OVERMIND_STRICT="1"))
     entries = _json(server.cli("list", "--json"))
     assert len(entries) == 2

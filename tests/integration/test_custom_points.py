@@ -7,7 +7,7 @@ import textwrap
 
 import torch
 
-from ..conftest import run_python
+from ..conftest import age_files, run_python
 from .conftest import last_json
 
 LIBRARY = '''
@@ -49,6 +49,7 @@ def test_overmind_cfg_and_env_points_are_cached(server, tmp_path):
     (app / "overmind.cfg").write_text("# custom loaders of this app\nmylib::Weights.open\n")
     weights = tmp_path / "w.pt"
     torch.save({"w": torch.arange(4.0)}, weights)
+    age_files(weights)
     code = f"import runpy, sys; sys.path[:0] = [{str(tmp_path)!r}]; sys.argv = ['main', {str(weights)!r}]; " \
            f"runpy.run_path({str(app / 'main.py')!r}, run_name='__main__')"
     env = server.client_env(OVERMIND_PATCH="mylib::load_state", OVERMIND_STRICT="1")

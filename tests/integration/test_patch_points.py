@@ -102,6 +102,9 @@ def paths(tmp_path_factory, models):
 
     save_file(state, root / "state.safetensors")
     torch.jit.script(torch.nn.Linear(4, 3)).save(str(root / "scripted.pt"))
+    from ..conftest import age_files
+
+    age_files(root)
     return {
         "sd": str(sd), "controlnet_a": str(models["controlnet_a"]), "controlnet_b": str(models["controlnet_b"]),
         "lm": str(models["lm"]), "lm_tokenizer": str(sd / "tokenizer"), "processor": str(root / "proc"),
