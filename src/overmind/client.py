@@ -90,7 +90,11 @@ def start_server(config: Config, timeout: float = START_TIMEOUT) -> None:
                 capture_output=True, text=True, timeout=timeout, cwd="/",
             )
             if proc.returncode != 0:
-                raise ServerUnavailable(f"overmind-server failed to start: {proc.stderr.strip()[-500:]}")
+                # The last line (the exception) first: the fallback warning shows only a first line.
+                lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+                where = "" if str(config.log_path) in lines[-1] else f"; see {config.log_path}"
+                raise ServerUnavailable(f"overmind-server failed to start: {lines[-1][:300]}{where}"
+                                        + "".join(f"\n{line}" for line in lines[-20:-1]))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
