@@ -181,6 +181,8 @@ def hub_snapshot(repo_id: str, revision: Optional[str] = None) -> Optional[Path]
 # modified less than RACY_SECONDS ago is therefore not cached (as git treats racy index
 # entries): it could not be told apart from the next version of those files.
 RACY_SECONDS = 2.0
+# A path argument that names a huge tree (a home folder, "/") is not a model: do not walk it.
+MAX_FILES = 20_000
 
 
 def fingerprint_paths(paths: list[str], now: Optional[float] = None) -> list[tuple]:
@@ -197,12 +199,18 @@ def fingerprint_paths(paths: list[str], now: Optional[float] = None) -> list[tup
             st = os.stat(path)
         except OSError:
             continue
-        out.append((path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
-        if os.path.isdir(path):
+        if not os.path.isdir(path):
+            out.append((path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
+        else:  # the files below say what changed; the folder's own mtime moves with any cache file
             for root, dirs, files in os.walk(path):
-                dirs.sort()
+                # Bytecode caches change when anything imports from the folder; they are not data.
+                dirs[:] = sorted(d for d in dirs if d != "__pycache__")
                 for name in sorted(files):
+                    if name.endswith(".pyc"):
+                        continue
                     full = os.path.join(root, name)
+                    if len(out) >= MAX_FILES:
+                        raise Uncacheable(f"{path} holds more than {MAX_FILES} files")
                     try:
                         st = os.stat(full)
                     except OSError:

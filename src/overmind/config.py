@@ -40,7 +40,8 @@ __all__ = ["Config", "ConfigError", "default_runtime_dir", "ensure_private_dir",
 ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "CUDA_", "NVIDIA_", "TORCH_", "PYTORCH_",
                 "OMP_", "MKL_", "BNB_", "ACCELERATE_", "SAFETENSORS_", "TOKENIZERS_", "XDG_", "LC_")
 ENV_NAMES = ("HOME", "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHASHSEED", "VIRTUAL_ENV", "LANG",
-             "TMPDIR", "USER", "LOGNAME", "TZ", "OVERMIND_NO_EXT")
+             "TMPDIR", "USER", "LOGNAME", "TZ", "OVERMIND_NO_EXT", "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE",
+             "PYTHONUSERBASE", "PYTHONSAFEPATH", "PYTHONPYCACHEPREFIX", "PYTHONWARNINGS")
 
 
 class ConfigError(ValueError):

@@ -56,7 +56,11 @@ def zygote_main(control_fd: int) -> None:
         try:
             message, blob, fds = P.recv_message(control)
         except (EOFError, ConnectionResetError, P.ProtocolError):
-            os._exit(0)  # the server went away
+            # The server went away: take any running job with us (the zygote leads its own
+            # process group, see loader_pool), so no orphan keeps memory or a GPU.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+            os._exit(0)
         if not isinstance(message, P.Job) or len(fds) != 1:
             for fd in fds:
                 os.close(fd)

@@ -84,6 +84,17 @@ class CacheEntry:
                     pass
         self.slots = [None for _ in self.slots]
 
+    def fresh(self) -> bool:
+        """Do the files the loader read still have the size, mtime, inode and device it saw?"""
+        for path, size, mtime_ns, ino, dev in self.meta.get("files", ()):
+            try:
+                st = os.stat(path)
+            except OSError:
+                return False
+            if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != (size, mtime_ns, ino, dev):
+                return False
+        return True
+
     def summary(self) -> dict:
         return {
             "key": self.key, "target": self.target, "description": self.description, "bytes": self.nbytes,
@@ -104,6 +115,7 @@ class Registry:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.stale = 0  # hits refused because a file the entry was loaded from changed
 
     def get(self, key: str) -> Optional[CacheEntry]:
         with self.lock:
@@ -345,6 +357,7 @@ class Server:
                 "pid": os.getpid(), "version": __version__, "uptime": time.time() - self.started,
                 "entries": len(entries), "bytes": sum(e.nbytes for e in entries),
                 "hits": self.registry.hits, "misses": self.registry.misses, "evictions": self.registry.evictions,
+                "stale_misses": self.registry.stale,
                 "loading": len(self.registry.flights), "refused_connections": self.refused,
                 "socket": str(self.config.socket_path), "torch_imported": "torch" in sys.modules,
             }
@@ -360,6 +373,14 @@ class Server:
     def _load(self, conn: socket.socket, request: P.Load, blob: bytes, pid: int) -> None:
         """Hit, or miss: see Note [Cold loads run behind the caller]."""
         entry = self.registry.get(request.key)
+        if entry is not None and not entry.fresh():
+            # A file the loader read changed since (Note [Observed files] in overmind.loader).
+            logger.info("stale %s: a file it read changed; loading again", request.key[:16])
+            with self.registry.lock:
+                self.registry.stale += 1
+                self.registry.hits -= 1
+            self.registry.evict([request.key])
+            entry = None
         if entry is not None:
             return self._send_entry(conn, entry, hit=True)
         with self.registry.lock:
