@@ -261,7 +261,9 @@ def _describe(target: Target, args: tuple, kwargs: dict) -> str:
             text = str(v)
         else:
             text = f"<{type(v).__name__}>"  # repr of a model costs milliseconds
-        return text if len(text) <= 60 else text[:57] + "..."
+        if len(text) <= 80:
+            return text
+        return "..." + text[-77:] if isinstance(v, (str, Path)) else text[:77] + "..."  # a path's tail says most
 
     parts = [short(a) for a in args] + [f"{k}={short(v)}" for k, v in kwargs.items()]
     return f"{target.name}({', '.join(parts)})"[:300]

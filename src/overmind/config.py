@@ -23,6 +23,8 @@ Standard library only (the server imports it)::
 ``OVERMIND_NO_AUTOSTART``  ``1``: clients never start a server themselves.
 ``OVERMIND_PRESTART``      ``0``: ``monkey_patch_all()`` does not ask the server, in the
                            background, to get a loader ready for this process.
+``OVERMIND_MAX_MEMORY``    server memory budget: ``40G``, ``512M``, ``60%`` of RAM or bytes
+                           (default 50% of RAM); least recently used entries are evicted.
 ``OVERMIND_LOG_LEVEL``     server log level (default INFO).
 =========================  =========================================================
 """
@@ -33,6 +35,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 __all__ = ["Config", "ConfigError", "default_runtime_dir", "ensure_private_dir", "ENV_PREFIXES", "ENV_NAMES"]
 
@@ -63,6 +66,18 @@ def _number(env, name: str, default: float, minimum: float = 0.0) -> float:
     if value < minimum:
         raise ConfigError(f"{name}={raw!r} must be at least {minimum}")
     return value
+
+
+def _size(env, name: str) -> Optional[int]:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    from overmind.registry import parse_size
+
+    try:
+        return parse_size(raw)
+    except ValueError as err:
+        raise ConfigError(f"{name}: {err}") from None
 
 
 def default_runtime_dir(env=None) -> Path:
@@ -104,6 +119,7 @@ class Config:
     prestart: bool = True
     cold_wait: bool = False
     log_level: str = "INFO"
+    max_memory: Optional[int] = None  # bytes; None: overmind.registry.default_budget()
 
     @classmethod
     def from_env(cls, env=None) -> "Config":
@@ -120,6 +136,7 @@ class Config:
             cold_wait=env.get("OVERMIND_COLD", "background").strip().lower() == "wait" or _flag(env, "OVERMIND_STRICT"),
             prestart=env.get("OVERMIND_PRESTART", "1").strip().lower() not in ("0", "false", "no", "off"),
             log_level=env.get("OVERMIND_LOG_LEVEL", "INFO").upper(),
+            max_memory=_size(env, "OVERMIND_MAX_MEMORY"),
         )
 
     @property

@@ -38,7 +38,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -46,10 +45,11 @@ from overmind import __version__
 from overmind import protocol as P
 from overmind.config import Config, ConfigError, ensure_private_dir
 from overmind.loader_pool import LoaderPool, LoadFailure, context_from_wire
+from overmind.registry import CacheEntry, Registry, TooLarge, parse_size
 
 logger = logging.getLogger("overmind.server")
 
-__all__ = ["Server", "Registry", "CacheEntry", "main"]
+__all__ = ["Server", "main"]
 
 # A key whose load failed is not tried again for this long: every later request would
 # otherwise pay a loader (and usually fail the same way).
@@ -59,97 +59,6 @@ FAILURE_TTL = 600.0
 # protocol's MAX_BLOB is sized for skeletons; a client claiming that much must not make the
 # server allocate it (Note [Frames are untrusted] in overmind.protocol).
 MAX_REQUEST_BLOB = 64 << 20
-
-
-@dataclass
-class CacheEntry:
-    key: str
-    target: str
-    description: str
-    skeleton: bytes
-    slots: list  # per segment slot: [fd, size] or None; see Note [Server owns segment fds]
-    nbytes: int
-    refs: list  # keys of entries whose segments this one also maps
-    meta: dict
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.time)
-    hits: int = 0
-
-    def close(self) -> None:
-        for slot in self.slots:
-            if slot is not None:
-                try:
-                    os.close(slot[0])
-                except OSError:
-                    pass
-        self.slots = [None for _ in self.slots]
-
-    def fresh(self) -> bool:
-        """Do the files the loader read still have the size, mtime, inode and device it saw?"""
-        for path, size, mtime_ns, ino, dev in self.meta.get("files", ()):
-            try:
-                st = os.stat(path)
-            except OSError:
-                return False
-            if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != (size, mtime_ns, ino, dev):
-                return False
-        return True
-
-    def summary(self) -> dict:
-        return {
-            "key": self.key, "target": self.target, "description": self.description, "bytes": self.nbytes,
-            "skeleton_bytes": len(self.skeleton), "segments": sum(1 for s in self.slots if s is not None),
-            "hits": self.hits, "created": self.created, "last_used": self.last_used, "refs": self.refs,
-            "meta": self.meta,
-        }
-
-
-class Registry:
-    """Entries by key, with single flight: one load per missing key at a time."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.entries: dict[str, CacheEntry] = {}
-        self.flights: dict[str, "Flight"] = {}
-        self.failures: dict[str, tuple[float, P.Error]] = {}  # key -> (when, error): not retried for a while
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
-        self.stale = 0  # hits refused because a file the entry was loaded from changed
-
-    def get(self, key: str) -> Optional[CacheEntry]:
-        with self.lock:
-            entry = self.entries.get(key)
-            if entry is not None:
-                entry.hits += 1
-                entry.last_used = time.time()
-                self.hits += 1
-            return entry
-
-    def add(self, entry: CacheEntry) -> None:
-        with self.lock:
-            old = self.entries.pop(entry.key, None)
-            self.entries[entry.key] = entry
-        if old is not None:
-            old.close()
-
-    def evict(self, keys: list[str]) -> list[str]:
-        with self.lock:
-            dropped = [self.entries.pop(k) for k in keys if k in self.entries]
-            self.evictions += len(dropped)
-        for entry in dropped:
-            entry.close()
-        return [e.key for e in dropped]
-
-    def match(self, prefix: str) -> list[str]:
-        with self.lock:
-            if prefix in self.entries:
-                return [prefix]
-            return [k for k in self.entries if k.startswith(prefix)]
-
-    def keys(self) -> list[str]:
-        with self.lock:
-            return list(self.entries)
 
 
 class AlreadyRunning(ConfigError):
@@ -169,7 +78,7 @@ class Flight:
 class Server:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.registry = Registry()
+        self.registry = Registry(config.max_memory)
         self.uid = os.getuid()
         self.started = time.time()
         self.stopping = threading.Event()
@@ -326,9 +235,7 @@ class Server:
         elif isinstance(message, P.Status):
             P.send_message(conn, P.StatusReply(self.status()))
         elif isinstance(message, P.ListEntries):
-            with self.registry.lock:
-                entries = [e.summary() for e in self.registry.entries.values()]
-            P.send_message(conn, P.EntryList(entries))
+            P.send_message(conn, P.EntryList(self.registry.summaries()))
         elif isinstance(message, P.Evict):
             keys = self.registry.keys() if message.all else self.registry.match(message.key) if message.key else []
             if not message.all and len(keys) > 1:
@@ -355,12 +262,13 @@ class Server:
             entries = list(self.registry.entries.values())
             info = {
                 "pid": os.getpid(), "version": __version__, "uptime": time.time() - self.started,
-                "entries": len(entries), "bytes": sum(e.nbytes for e in entries),
+                "entries": len(entries),
                 "hits": self.registry.hits, "misses": self.registry.misses, "evictions": self.registry.evictions,
-                "stale_misses": self.registry.stale,
+                "stale_misses": self.registry.stale, "budget": self.registry.budget,
                 "loading": len(self.registry.flights), "refused_connections": self.refused,
                 "socket": str(self.config.socket_path), "torch_imported": "torch" in sys.modules,
             }
+        info["bytes"] = info["used"] = self.registry.used()
         info["loaders"] = self.loaders.describe()
         return info
 
@@ -455,7 +363,15 @@ class Server:
             slots.extend([os.dup(s[0]), s[1]] if s else None for s in other.slots)
         entry = CacheEntry(request.key, request.target, request.description, skeleton, slots, result.nbytes,
                            list(result.refs), dict(result.meta, load_seconds=time.monotonic() - started))
-        self.registry.add(entry)
+        try:
+            evicted = self.registry.add(entry)
+        except TooLarge as err:
+            entry.close()
+            logger.warning("not keeping %s (%s): %s; raise --max-memory to cache it", request.key[:16],
+                           request.description, err)
+            raise LoadFailure(P.ErrorCode.TOO_LARGE, f"not cached: {err}") from None
+        for key in evicted:
+            logger.info("evicted %s to stay within the %d-byte budget", key[:16], self.registry.budget)
         logger.info("cached %s: %d bytes in %.2fs", request.key[:16], result.nbytes, time.monotonic() - started)
         return entry
 
@@ -506,12 +422,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--runtime-dir", help="socket/log directory (default: OVERMIND_RUNTIME_DIR, "
                         "$XDG_RUNTIME_DIR/overmind, /tmp/overmind-<uid>)")
     parser.add_argument("--workers", type=int, help="loads that run at once for different keys")
+    parser.add_argument("--max-memory", help="memory budget for cached models: 40G, 512M, 60%% (of RAM) or bytes; "
+                        "default OVERMIND_MAX_MEMORY, else 50%% of RAM. Least recently used entries are evicted.")
     args = parser.parse_args(argv)
     env = dict(os.environ)
     if args.runtime_dir:
         env["OVERMIND_RUNTIME_DIR"] = args.runtime_dir
     if args.workers:
         env["OVERMIND_WORKERS"] = str(args.workers)
+    if args.max_memory:
+        env["OVERMIND_MAX_MEMORY"] = args.max_memory
     try:
         config = Config.from_env(env)
         ensure_private_dir(config.runtime_dir)
