@@ -130,10 +130,11 @@ def measure(code: str, server: BenchServer, runs: int, calls: int) -> dict:
         cold.append(server.run(code))
         server.wait_idle()
         warm.append(server.run(code))
+    misses = server.wait_idle()["misses"]
     warm += [server.run(code) for _ in range(runs)]
     status = server.wait_idle()
-    if status["hits"] < 2 * runs * calls:
-        raise RuntimeError(f"warm runs did not hit the cache: {status}")
+    if status["misses"] != misses or misses != 2 * calls:
+        raise RuntimeError(f"warm runs did not all hit the cache: {status}")
 
     def table(rows):
         return {k: summary([r[k] for r in rows]) for k in rows[0]}

@@ -24,19 +24,20 @@ straight to the original without a warning.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 import sys
 import threading
-import warnings
 import weakref
-from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up budget)
 
 from overmind import patching
-from overmind.calls import Target, Uncacheable, encode_call
-from overmind.config import Config
+
+if TYPE_CHECKING:  # kept out of start-up: `import overmind.api; monkey_patch_all()` costs < 50 ms
+    from typing import Any, Callable, Iterable, Optional
+
+    from overmind.calls import Target
+    from overmind.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -97,16 +98,23 @@ def _remember(obj: Any, key: str) -> None:
 # -- the cache path ---------------------------------------------------------------------------
 
 _local = threading.local()
+_spare = None  # a connection the prestart thread opened, for the first load (see _prepare)
+_spare_lock = threading.Lock()
+_warmed = False
 _warned = False
 _warn_lock = threading.Lock()
 
 
-def _connection(config: Config, timeout: float):
+def _connection(config: "Config", timeout: float):
     from overmind.client import Connection
 
+    global _spare
     conn = getattr(_local, "conn", None)
     if conn is None or conn.config != config:
-        conn = Connection.open(config, timeout=timeout)
+        with _spare_lock:
+            conn, _spare = (_spare, None) if _spare is not None and _spare.config == config else (None, _spare)
+        if conn is None:
+            conn = Connection.open(config, timeout=timeout)
         _local.conn = conn
     return conn
 
@@ -125,6 +133,8 @@ def _warn_once(message: str) -> None:
             logger.info("%s", message)
             return
         _warned = True
+    import warnings
+
     warnings.warn(f"overmind: {message}; loading without the cache", RuntimeWarning, stacklevel=_user_stacklevel())
 
 
@@ -154,6 +164,7 @@ def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] =
     """Rebuild an existing entry by key (loaders use this for ``vae=vae`` arguments)."""
     from overmind import protocol as P
     from overmind.client import Connection
+    from overmind.config import Config
 
     config = Config.from_env()
     if holder is not None and holder:
@@ -180,7 +191,10 @@ def _context() -> dict:
     return {"python": sys.executable, "cwd": os.getcwd(), "sys_path": list(sys.path), "env": env}
 
 
-def _load_target(target: Target, args: tuple, kwargs: dict) -> Any:
+def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
+    from overmind.calls import Uncacheable, encode_call
+    from overmind.config import Config
+
     config = Config.from_env()
     if config.disable:
         return target.original(*args, **kwargs)
@@ -208,7 +222,7 @@ def _load_target(target: Target, args: tuple, kwargs: dict) -> Any:
     return obj
 
 
-def _fetch(config: Config, target: Target, call) -> Any:
+def _fetch(config: "Config", target: "Target", call) -> Any:
     import time
 
     from overmind import protocol as P
@@ -227,6 +241,8 @@ def _fetch(config: Config, target: Target, call) -> Any:
 
 def load(fn: Callable, *args, **kwargs) -> Any:
     """Call ``fn(*args, **kwargs)`` through the cache (``fn`` must be importable by name)."""
+    from overmind.calls import Target, Uncacheable
+
     fn = patching.get_original(*_point_of(fn)) if _is_wrapper(fn) else fn
     try:
         target = Target.of(fn)
@@ -248,10 +264,17 @@ def _point_of(fn: Callable) -> tuple[str, str]:
 
 
 def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod: bool) -> Callable:
+    global _warmed
+    if not _warmed and "torch" in sys.modules and _flag("OVERMIND_PRESTART", "1"):
+        # torch just became importable: overlap our torch-side imports with the script's.
+        _warmed = True
+        threading.Thread(target=_warm_up, daemon=True, name="overmind-warm-up").start()
     attr = point.qualname.rsplit(".", 1)[-1]
     if is_classmethod:
         @functools.wraps(original)
         def classmethod_wrapper(cls, *args, **kwargs):
+            from overmind.calls import Target
+
             bound = original.__get__(cls, cls) if hasattr(original, "__get__") else functools.partial(original, cls)
             return _load_target(Target("class", cls, attr, bound), args, kwargs)
 
@@ -260,27 +283,35 @@ def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod
 
     @functools.wraps(original)
     def function_wrapper(*args, **kwargs):
+        from overmind.calls import Target
+
         return _load_target(Target("module", point.module, point.qualname, original), args, kwargs)
 
     function_wrapper.__overmind_point__ = point  # type: ignore[attr-defined]
     return function_wrapper
 
 
-def _config_file_points(start: Optional[Path]) -> list[patching.PatchPoint]:
+def _config_file_points(start: str) -> list[patching.PatchPoint]:
     """``overmind.cfg`` beside the calling module and beside each enclosing package."""
     points: list[patching.PatchPoint] = []
     directory = start
-    while directory is not None:
-        candidate = directory / CONFIG_FILE
-        if candidate.is_file():
+    while True:
+        candidate = os.path.join(directory, CONFIG_FILE)
+        if os.path.isfile(candidate):
             try:
-                points.extend(patching.parse_patch_specs(candidate.read_text()))
+                with open(candidate) as f:
+                    points.extend(patching.parse_patch_specs(f.read()))
             except ValueError as err:
                 raise ValueError(f"{candidate}: {err}") from None
-        if not (directory / "__init__.py").exists():
+        parent = os.path.dirname(directory)
+        if not os.path.exists(os.path.join(directory, "__init__.py")) or parent == directory:
             break
-        directory = directory.parent
+        directory = parent
     return points
+
+
+def _flag(name: str, default: str = "") -> bool:
+    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
 
 
 def monkey_patch_all(extra: Iterable[str] = ()) -> None:
@@ -288,32 +319,52 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
     Idempotent; imports none of the patched libraries (see the module docstring).
     """
-    config = Config.from_env()
-    if config.disable:
+    # Plain environment reads: overmind.config (pathlib, dataclasses) would double the start-up cost.
+    if _flag("OVERMIND_DISABLE"):
         return
-    caller = inspect.currentframe()
-    caller_file = caller.f_back.f_globals.get("__file__") if caller and caller.f_back else None
-    start = Path(caller_file).resolve().parent if caller_file else Path.cwd()
+    caller_file = sys._getframe(1).f_globals.get("__file__")
+    start = os.path.dirname(os.path.realpath(caller_file)) if caller_file else os.getcwd()
     points = [patching.PatchPoint.parse(p) for p in DEFAULT_PATCH_POINTS]
     points += _config_file_points(start)
-    points += patching.parse_patch_specs(config.patch) if config.patch.strip() else []
+    extra_env = os.environ.get("OVERMIND_PATCH", "")
+    points += patching.parse_patch_specs(extra_env) if extra_env.strip() else []
     points += [patching.PatchPoint.parse(p) for p in extra]
     patching.patch(points, _make_wrapper)
-    if config.prestart:
-        threading.Thread(target=_prepare, args=(config,), daemon=True, name="overmind-prepare").start()
+    if _flag("OVERMIND_PRESTART", "1"):
+        threading.Thread(target=_prepare, daemon=True, name="overmind-prepare").start()
 
 
-def _prepare(config: Config) -> None:
+def _prepare() -> None:
     """Background: reach (or start) the server and have it start a loader for this context,
     overlapping the loader's start-up with the script's own imports."""
     try:
         from overmind import protocol as P
         from overmind.client import Connection
+        from overmind.config import Config
 
-        with Connection.open(config, timeout=config.timeout) as conn:
-            conn.simple(P.Prepare(_context()), P.Ok)
+        config = Config.from_env()
+        conn = Connection.open(config, timeout=config.timeout)
+        conn.simple(P.Prepare(_context()), P.Ok)
     except Exception as err:  # the first load reports problems; this is only a head start
         logger.debug("prestart failed: %s", err)
+        return
+    global _spare
+    with _spare_lock:
+        if _spare is None:
+            _spare, conn = conn, None
+    if conn is not None:
+        conn.close()
+
+
+def _warm_up() -> None:
+    """Background, once torch is imported: import what the first load needs (~8 ms of it)."""
+    try:
+        from overmind import calls, client, reductions  # noqa: F401
+
+        calls.library_versions()
+        import xxhash  # noqa: F401
+    except Exception as err:  # the first load imports them itself
+        logger.debug("warm-up failed: %s", err)
 
 
 def unpatch_all() -> None:

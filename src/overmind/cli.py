@@ -64,7 +64,7 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 def _format_value(name: str, value: object) -> str:
-    if name == "bytes" and isinstance(value, (int, float)):
+    if name in ("bytes", "used", "budget") and isinstance(value, (int, float)):
         return f"{human_bytes(value)} ({value} bytes)"
     if name == "uptime" and isinstance(value, (int, float)):
         return human_duration(value)
@@ -87,8 +87,9 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, sort_keys=True))
         return EXIT_OK
-    first = ["pid", "version", "uptime", "entries", "bytes", "hits", "misses", "evictions", "loading"]
-    names = [n for n in first if n in info] + sorted(n for n in info if n not in first)
+    first = ["pid", "version", "uptime", "entries", "used", "budget", "hits", "misses", "stale_misses", "evictions",
+             "loading"]
+    names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n != "bytes")
     print(_table([(name, _format_value(name, info[name])) for name in names]))
     return EXIT_OK
 
@@ -102,13 +103,14 @@ def cmd_list(conn: Connection, args: argparse.Namespace) -> int:
         print("no cached entries")
         return EXIT_OK
     now = time.time()
-    rows = [("KEY", "BYTES", "HITS", "LAST USE", "DESCRIPTION")]
+    rows = [("KEY", "OWNED", "SHARED", "HITS", "LAST USE", "DESCRIPTION")]
     for e in sorted(entries, key=lambda e: -float(e.get("last_used", 0))):
-        rows.append((str(e.get("key", ""))[:16], human_bytes(e.get("bytes", 0)), str(e.get("hits", 0)),
+        rows.append((str(e.get("key", ""))[:16], human_bytes(e.get("bytes_owned", e.get("bytes", 0))),
+                     human_bytes(e.get("bytes_shared", 0)), str(e.get("hits", 0)),
                      human_duration(now - float(e.get("last_used", now))) + " ago", str(e.get("description", ""))))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
-        print(f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]:>{widths[3]}}  {row[4]}")
+        print(f"{row[0]:<{widths[0]}}  " + "  ".join(f"{row[i]:>{widths[i]}}" for i in range(1, 5)) + f"  {row[5]}")
     return EXIT_OK
 
 

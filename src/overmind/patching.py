@@ -40,8 +40,10 @@ import logging
 import sys
 import threading
 import types
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Union
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up budget)
+
+if TYPE_CHECKING:  # typing and dataclasses cost ~30 ms at start-up; see overmind.api's budget
+    from typing import Any, Callable, Iterable, Optional, Union
 
 __all__ = [
     "PatchPoint", "WrapperFactory", "get_original", "in_patched_call", "is_patched",
@@ -61,21 +63,36 @@ def _check_dotted(kind: str, name: object) -> None:
             raise ValueError(f"invalid {kind} {name!r}: {part!r} is not a Python identifier")
 
 
-@dataclass(frozen=True)
 class PatchPoint:
     """An attribute reachable from an importable module, written ``module::Qualname.attr``.
 
     ``module`` should be the module that *defines* the target, so that the import
     hook fires when that module is executed; ``qualname`` is the dotted path inside
     it (``"DiffusionPipeline.from_pretrained"``, or ``"load"`` for a function).
+    Immutable and hashable.
     """
 
+    __slots__ = ("module", "qualname")
     module: str
     qualname: str
 
-    def __post_init__(self) -> None:
-        _check_dotted("module name", self.module)
-        _check_dotted("qualname", self.qualname)
+    def __init__(self, module: str, qualname: str) -> None:
+        _check_dotted("module name", module)
+        _check_dotted("qualname", qualname)
+        object.__setattr__(self, "module", module)
+        object.__setattr__(self, "qualname", qualname)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"PatchPoint is immutable: cannot set {name}")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is PatchPoint and (self.module, self.qualname) == (other.module, other.qualname)
+
+    def __hash__(self) -> int:
+        return hash((self.module, self.qualname))
+
+    def __repr__(self) -> str:
+        return f"PatchPoint(module={self.module!r}, qualname={self.qualname!r})"
 
     @classmethod
     def parse(cls, spec: str) -> PatchPoint:
@@ -118,21 +135,22 @@ def parse_patch_specs(text: str) -> list[PatchPoint]:
 #: ``make_wrapper(point, original, is_classmethod) -> wrapper``. For a classmethod,
 #: ``original`` is the underlying function (it takes ``cls`` first) and so does the
 #: wrapper; patch() re-wraps it in classmethod (staticmethod likewise).
-WrapperFactory = Callable[[PatchPoint, Callable[..., Any], bool], Callable[..., Any]]
+WrapperFactory = "Callable[[PatchPoint, Callable[..., Any], bool], Callable[..., Any]]"
 
 
-@dataclass(eq=False)
 class _Record:
     """One installed patch: enough to undo it exactly."""
 
-    point: PatchPoint
-    owner: Any  # the module or class whose attribute was replaced
-    name: str
-    saved: Any  # the raw attribute as found (a classmethod object, a function, ...)
-    own: bool  # False: it was inherited, so undo by deleting ours from the subclass
-    original: Callable[..., Any]  # descriptor-unwrapped; what the factory received
-    guard: Optional[Callable[..., Any]] = None
-    active: bool = True
+    def __init__(self, point: PatchPoint, owner: Any, name: str, saved: Any, own: bool,
+                 original: Callable[..., Any], guard: Optional[Callable[..., Any]] = None, active: bool = True) -> None:
+        self.point = point
+        self.owner = owner  # the module or class whose attribute was replaced
+        self.name = name
+        self.saved = saved  # the raw attribute as found (a classmethod object, a function, ...)
+        self.own = own  # False: it was inherited, so undo by deleting ours from the subclass
+        self.original = original  # descriptor-unwrapped; what the factory received
+        self.guard = guard
+        self.active = active
 
 
 _lock = threading.RLock()

@@ -482,22 +482,7 @@ def _build_objects(objects: list, storages: list, references: dict) -> list:
 
 def unpack(skeleton: bytes, mappings: Sequence[Optional[mmap.mmap]], map_location: Optional[str] = None,
            references: Optional[dict] = None):
-    """Rebuild the object pickled by :func:`pack`. See Note [Parallel fill]
-Filling shared memory is bound by the kernel allocating shmem pages, and two
-threads writing into one memfd contend on its inode. Each fill thread therefore owns
-its own segment: with two, filling runs ~2x faster here than with one
-(``benchmarks/core_rebuild.py``). The pickler only reserves offsets and queues the
-copies, so pickling overlaps the copying.
-
-Note [Same alignment, same numbers]
-CPU kernels (oneDNN convolutions, vectorised reductions) split their work by the
-address of the data, so the same weights at a different offset within a cache line
-can give different low-order bits. A plain ``from_pretrained`` leaves tensors where
-safetensors put them in the file mapping (often 8 bytes past a 64-byte boundary).
-Each storage is therefore placed at the same address modulo 64 as its source, and a
-cached model computes bit-identical outputs to a plain load of the same files.
-
-Note [One mapping per load]."""
+    """Rebuild the object pickled by :func:`pack`. See Note [One mapping per load]."""
     if not isinstance(skeleton, (bytes, bytearray, memoryview)):
         raise TypeError(f"unpack: skeleton must be bytes, got {type(skeleton).__name__}")
     header = pickle.loads(skeleton)

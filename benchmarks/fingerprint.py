@@ -1,0 +1,58 @@
+"""Cost of checking that a hit is fresh, for a 20-file model folder (issue 4: at most 2 ms).
+
+    python benchmarks/fingerprint.py
+
+Client side: ``overmind.calls.fingerprint_paths`` (walk + stat of the folder the call
+names, part of every key). Server side: ``CacheEntry.fresh`` (stat of every file the
+loader observed). Medians of 200 runs each, page cache and dentry cache warm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from overmind.calls import fingerprint_paths
+from overmind.registry import CacheEntry
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "model"
+        for i in range(20):
+            sub = root / (f"part{i % 4}" if i % 2 else "")
+            sub.mkdir(parents=True, exist_ok=True)
+            (sub / f"file{i}.bin").write_bytes(os.urandom(1024))
+        old = time.time() - 100
+        for p in root.rglob("*"):
+            os.utime(p, (old, old))
+        files = [[str(p), *(lambda st: [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev])(p.stat())]
+                 for p in root.rglob("*") if p.is_file()]
+        entry = CacheEntry("k", "t", "d", b"", [], 0, [], {"files": files})
+
+        def median_ms(fn) -> float:
+            times = []
+            for _ in range(200):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return statistics.median(times) * 1000
+
+        result = {
+            "files": len(files),
+            "client_fingerprint_ms": median_ms(lambda: fingerprint_paths([str(root)])),
+            "server_fresh_check_ms": median_ms(entry.fresh),
+        }
+    print(json.dumps(result, indent=2))
+    ok = result["client_fingerprint_ms"] + result["server_fresh_check_ms"] <= 2.0
+    print(f"fingerprint check: {result['client_fingerprint_ms']:.3f} + {result['server_fresh_check_ms']:.3f} ms "
+          f"for {len(files)} files (<= 2 ms): {'PASS' if ok else 'FAIL'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
