@@ -15,12 +15,15 @@ kernel frees a segment when its last fd and last client mapping are gone.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
+
+logger = logging.getLogger("overmind.server.registry")
 
 __all__ = ["CacheEntry", "Registry", "TooLarge", "parse_size", "default_budget", "memory_total"]
 
@@ -121,13 +124,23 @@ class Registry:
         self.stale = 0  # hits refused because a file the entry was loaded from changed
 
     def get(self, key: str) -> Optional[CacheEntry]:
+        """The entry for ``key`` (a hit), or None. An entry whose files changed since it was
+        loaded (Note [Observed files] in overmind.loader) is evicted and counted as stale."""
         with self.lock:
             entry = self.entries.get(key)
-            if entry is not None:
+            if entry is None:
+                return None
+            if entry.fresh():
                 entry.hits += 1
                 entry.last_used = time.time()
                 self.hits += 1
-            return entry
+                return entry
+            del self.entries[key]
+            self.stale += 1
+            self.evictions += 1
+        logger.info("stale %s: a file it read changed; loading again", key[:16])
+        entry.close()
+        return None
 
     def _holders(self) -> dict:
         holders: dict = {}

@@ -281,14 +281,6 @@ class Server:
     def _load(self, conn: socket.socket, request: P.Load, blob: bytes, pid: int) -> None:
         """Hit, or miss: see Note [Cold loads run behind the caller]."""
         entry = self.registry.get(request.key)
-        if entry is not None and not entry.fresh():
-            # A file the loader read changed since (Note [Observed files] in overmind.loader).
-            logger.info("stale %s: a file it read changed; loading again", request.key[:16])
-            with self.registry.lock:
-                self.registry.stale += 1
-                self.registry.hits -= 1
-            self.registry.evict([request.key])
-            entry = None
         if entry is not None:
             return self._send_entry(conn, entry, hit=True)
         with self.registry.lock:

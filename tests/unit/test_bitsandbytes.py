@@ -5,7 +5,6 @@ See Note [Quantised parameters] in ``overmind.quirks``.
 
 from __future__ import annotations
 
-import ctypes
 import pickle
 
 import pytest
@@ -18,6 +17,7 @@ from overmind import modelgen, quirks  # noqa: E402
 from overmind.reductions import pack, unpack  # noqa: E402
 
 from ..conftest import run_python  # noqa: E402
+from .test_reductions import inside, mapping_ranges  # noqa: E402
 
 Params4bit = bnb.nn.Params4bit
 Int8Params = bnb.nn.Int8Params
@@ -51,19 +51,6 @@ def round_trip(model):
     packed = pack(model)
     mappings = packed.map_private()
     return unpack(packed.skeleton, mappings), packed, mappings
-
-
-def mapping_ranges(mappings) -> list[tuple[int, int]]:
-    out = []
-    for m in mappings:
-        if m is not None:
-            base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-            out.append((base, base + len(m)))
-    return out
-
-
-def inside(ranges, tensor) -> bool:
-    return any(lo <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= hi for lo, hi in ranges)
 
 
 def state_tensors(qs) -> list[torch.Tensor]:
