@@ -22,7 +22,7 @@ that hands out a storage relies on this.
 
 Note [Filling by pwrite]
 Filling by ``pwrite`` beats ``ftruncate`` + ``mmap`` + ``memcpy`` (with or without
-``fallocate`` or ``MADV_POPULATE_WRITE``) here by about 2x: the kernel allocates
+``fallocate`` or ``MADV_POPULATE_WRITE``) here by 1.6-2x: the kernel allocates
 shmem pages inside the write, with no page-table faults. Measured by
 ``benchmarks/segment_fill.py``.
 """
