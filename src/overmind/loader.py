@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["zygote_main", "run_job"]
 
 PREIMPORT = ("torch",)
+MAX_CONTENTS = 8000  # content records a result carries (~70 bytes each)
 
 
 def _preimport(modules) -> list[str]:
@@ -154,14 +155,22 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         from overmind import quirks
         from overmind.calls import decode_call
         from overmind.config import Config
+        from overmind.dedup import SegmentContents
         from overmind.reductions import pack
 
         conn_holder: list = []
 
+        def connect():
+            if not conn_holder:
+                from overmind.client import Connection
+
+                conn_holder.append(Connection.open(Config.from_env(), role="loader", autostart=False))
+            return conn_holder[0]
+
         def resolve_entry(key: str):
             from overmind.api import fetch_entry
 
-            return fetch_entry(key, conn_holder)
+            return fetch_entry(key, [connect()])
 
         fn, args, kwargs, refs = decode_call(blob, resolve_entry)
         before = {key: _state_of(obj) for key, obj in refs.items()}
@@ -177,8 +186,12 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         quirks.prepare_for_pickle(result)
         # Arguments handed back unchanged travel as references: the client puts its own object there.
         references = {id(obj): key for key, obj in refs.items() if _state_of(obj) == before[key]}
-        packed = pack(result, name=job.key[:12], references=references)
+        store = SegmentContents(connect)
+        packed = pack(result, name=job.key[:12], store=store, references=references)
         slots = [i for i, seg in enumerate(packed.segments) if seg is not None]
+        fds = [packed.segments[i].fd for i in slots] + store.fds
+        sizes = [packed.segments[i].size for i in slots] + store.sizes
+        slots += [len(packed.segments) + i for i in range(len(store.fds))]
         meta = {
             "type": f"{type(result).__module__}.{type(result).__qualname__}",
             "pickler": packed.pickler, "storages": packed.storages, "tensors": packed.tensors,
@@ -186,10 +199,13 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
             "sys_path_extra": quirks.dynamic_module_paths(),
             "references": sorted(set(references.values())),
             "files": files,  # Note [Observed files]
+            "deduplicated": packed.deduplicated,
+            # Note [Content index] in overmind.registry; bounded to stay within protocol.MAX_JSON.
+            "contents": packed.contents if len(packed.contents) <= MAX_CONTENTS else [],
         }
-        P.send_message(job_sock, P.JobResult(job.key, [packed.segments[i].size for i in slots], slots,
-                                             len(packed.segments), packed.nbytes, [], meta),
-                       packed.skeleton, fds=[packed.segments[i].fd for i in slots])
+        P.send_message(job_sock, P.JobResult(job.key, sizes, slots, len(packed.segments) + len(store.fds),
+                                             packed.nbytes, store.holders, meta),
+                       packed.skeleton, fds=fds)
         return 0
     except BaseException as err:  # reported to the client as a typed error with this traceback
         try:

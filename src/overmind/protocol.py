@@ -34,12 +34,12 @@ from typing import Any, ClassVar
 __all__ = [
     "MAGIC", "PROTOCOL_VERSION", "HEADER", "MAX_JSON", "MAX_BLOB", "MAX_FDS", "ErrorCode", "ProtocolError",
     "Message", "MESSAGE_TYPES", "encode_frame", "decode_header", "decode_fields", "send_message", "recv_message",
-    "Hello", "Welcome", "Error", "Load", "Entry", "Pending", "GetFds", "Fds", "Status", "StatusReply", "ListEntries",
+    "Hello", "Welcome", "Error", "Load", "Entry", "Pending", "GetFds", "Fds", "GetContents", "Contents", "Status", "StatusReply", "ListEntries",
     "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "JobResult", "JobFailed", "Job", "JobStarted", "LoaderReady",
 ]
 
 MAGIC = b"OVMD"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("<4sHHIQ")
 MAX_JSON = 1 << 20  # 1 MiB of fields
 MAX_BLOB = 1 << 31  # 2 GiB: skeletons of very large pipelines (tokenizer vocabularies) stay well below
@@ -212,6 +212,24 @@ class Fds(Message):
 
 
 @message
+class GetContents(Message):
+    """A loader asks which contents sealed segments already hold (Note [Stored once by content]
+    in overmind.reductions)."""
+
+    TYPE: ClassVar[int] = 15
+
+
+@message
+class Contents(Message):
+    """The content index, as JSON in the blob: ``{"keys": [entry key, ...], "regions":
+    [[xxh3-128 hex, nbytes, key index, st_dev, st_ino, offset], ...]}``."""
+
+    TYPE: ClassVar[int] = 16
+    WITH_BLOB: ClassVar[bool] = True
+    regions: int
+
+
+@message
 class Status(Message):
     TYPE: ClassVar[int] = 20
 
@@ -306,7 +324,7 @@ class JobResult(Message):
     slots: list  # segment slot of each fd (unused slots have no fd)
     nslots: int
     nbytes: int
-    refs: list  # keys of entries whose segments this one also references
+    refs: list  # keys of entries whose segments this one also maps (their fds come after its own)
     meta: dict = {}
 
 
@@ -321,7 +339,7 @@ class JobFailed(Message):
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, Status, StatusReply, ListEntries, EntryList, Evict,
+    for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, GetContents, Contents, Status, StatusReply, ListEntries, EntryList, Evict,
                 Evicted, Shutdown, Ok, Prepare, LoaderReady, Job, JobStarted, JobResult, JobFailed)
 }
 

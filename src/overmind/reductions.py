@@ -55,6 +55,16 @@ Storages are placed once per ``(data_ptr, nbytes)`` and tensors once per object,
 views, tied weights (``lm_head.weight is embed_tokens.weight``) and the ``vae=vae``
 pattern keep sharing memory and identity after a round trip.
 
+Note [Stored once by content]
+Loaders pack with a :class:`ContentStore` (``overmind.dedup``): every storage of at
+least ``DEDUP_MIN_BYTES`` is hashed (xxh3-128) from the loader's own memory right
+before it is written, and if a sealed segment already holds those bytes the storage
+table points there instead of copying (``ControlNetModel.from_unet``, one model saved
+under two paths). Each region is used by at most one storage of a pack, so two
+storages that were distinct before pickling stay distinct after (Note [One mapping
+per load] then keeps loads apart). Smaller storages are not worth a table record.
+Every storage hashed is reported in ``Packed.contents`` for the server's index.
+
 Note [Extra reducers]
 Some third-party tensor subclasses lose their class through torch's own reduction
 (``Parameter.__reduce_ex__`` rebuilds a plain ``nn.Parameter``). ``overmind.quirks``
@@ -73,8 +83,8 @@ import logging
 import mmap
 import os
 import pickle
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
@@ -83,8 +93,8 @@ from overmind.native import build_tensors, make_untyped_storage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "StorageRef", "TensorRef", "Packed", "pack", "unpack", "PICKLE_PROTOCOL", "Locator",
-           "register_reducer"]
+__all__ = ["FORMAT", "StorageRef", "TensorRef", "Packed", "pack", "unpack", "PICKLE_PROTOCOL", "ContentStore",
+           "DEDUP_MIN_BYTES", "register_reducer"]
 
 PICKLE_PROTOCOL = 5
 FORMAT = "overmind-skeleton-2"
@@ -145,20 +155,30 @@ def _dispatch_table() -> Optional[dict]:
     return {**copyreg.dispatch_table, **_extra_reducers} if _extra_reducers else None
 
 
-# Locates a storage that already lives in a sealed segment (stored once, DESIGN invariant 6):
-# (data_ptr, nbytes) -> (segment index, offset) or None.
-Locator = Callable[[int, int], Optional[tuple[int, int]]]
+# Storages this large are hashed and stored once by content: Note [Stored once by content].
+DEDUP_MIN_BYTES = 64 << 10
+
+
+class ContentStore(Protocol):
+    """Sealed segments that already hold some contents (Note [Stored once by content])."""
+
+    def find(self, digest: bytes, nbytes: int) -> Optional[tuple[int, int]]:
+        """``(external segment number, offset)`` of a region holding exactly these bytes, not
+        returned before to this pack, or None."""
 
 @dataclass
 class Packed:
     skeleton: bytes
     # New sealed segments, one per fill thread; None where a thread wrote nothing. Storages
-    # found by the locator refer to segment len(segments) + (the locator's index).
+    # found in a ContentStore refer to segment len(segments) + (the store's segment number).
     segments: list[Optional[Segment]]
-    nbytes: int  # bytes written into the new segment
+    nbytes: int  # bytes written into the new segments
     storages: int  # distinct storages referenced
     tensors: int  # table tensors
     pickler: str  # "pickle" or "dill"
+    # (xxh3-128 hex digest, nbytes, segment, offset) of every hashed storage, written or found.
+    contents: list = field(default_factory=list)
+    deduplicated: int = 0  # bytes found in a ContentStore instead of written
 
     def map_private(self) -> list[Optional[mmap.mmap]]:
         """Map every new segment copy-on-write (for tests and in-process use)."""
@@ -247,9 +267,11 @@ class _SegmentWriter:
 class _Tables:
     """Pickling state: storage placement and the object table."""
 
-    def __init__(self, name: str, locate: Optional[Locator], writers: int,
+    def __init__(self, name: str, store: Optional[ContentStore], writers: int,
                  references: Optional[dict[int, str]] = None) -> None:
-        self.locate = locate
+        self.store = store
+        self.contents: list[tuple[str, int, int, int]] = []
+        self.deduplicated = 0
         self.references = references or {}
         self.writers = [_SegmentWriter(f"{name}.{i}") for i in range(max(1, writers))]
         self.storages: list[StorageRef] = []
@@ -268,19 +290,30 @@ class _Tables:
         index = self.storage_index.get(key)
         if index is not None:
             return index
-        where = None
-        if device.type == "cpu" and nbytes and self.locate is not None:
-            found = self.locate(untyped.data_ptr(), nbytes)
-            if found is not None:
-                where = (len(self.writers) + found[0], found[1])
-        if where is None:
-            # CUDA bytes are copied to host once; the client rebuilds them on their device.
-            source = untyped if device.type == "cpu" else untyped.cpu()
+        # CUDA bytes are copied to host once; the client rebuilds them on their device.
+        source = untyped if device.type == "cpu" else untyped.cpu()
+        if self.store is not None and nbytes >= DEDUP_MIN_BYTES:
+            where = self._place_by_content(source, nbytes)
+        else:
             where = self._write(source, nbytes)
         index = len(self.storages)
         self.storages.append(StorageRef(where[0], where[1], nbytes, str(device)))
         self.storage_index[key] = index
         return index
+
+    def _place_by_content(self, source: torch.UntypedStorage, nbytes: int) -> tuple[int, int]:
+        """Find the bytes in the store, else write them: Note [Stored once by content]."""
+        import xxhash  # packing only: keep unpack's imports light
+
+        digest = xxhash.xxh3_128_digest(buffer_at(source.data_ptr(), nbytes))
+        found = self.store.find(digest, nbytes)
+        if found is not None:
+            where = (len(self.writers) + found[0], found[1])
+            self.deduplicated += nbytes
+        else:
+            where = self._write(source, nbytes)
+        self.contents.append((digest.hex(), nbytes, where[0], where[1]))
+        return where
 
     def _write(self, source: torch.UntypedStorage, nbytes: int) -> tuple[int, int]:
         if nbytes == 0:
@@ -383,16 +416,17 @@ def default_writers() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-def pack(obj, name: str = "overmind", locate: Optional[Locator] = None, writers: Optional[int] = None,
+def pack(obj, name: str = "overmind", store: Optional[ContentStore] = None, writers: Optional[int] = None,
          references: Optional[dict[int, str]] = None) -> Packed:
-    """Pickle ``obj`` with its storages copied into one new sealed segment.
+    """Pickle ``obj`` with its storages copied into new sealed segments.
 
     Stdlib pickle first; if it cannot handle an object (local functions, lambdas),
     the whole object is pickled again with dill, reusing the storages already copied.
     ``references`` maps ``id(object)`` to a key for objects the unpickling side will
-    supply itself (``unpack(..., references={key: object})``).
+    supply itself (``unpack(..., references={key: object})``). With a ``store``, large
+    storages whose bytes it already holds are not copied: Note [Stored once by content].
     """
-    tables = _Tables(name, locate, writers or default_writers(), references)
+    tables = _Tables(name, store, writers or default_writers(), references)
     payload = io.BytesIO()
     used = "pickle"
     try:
@@ -413,7 +447,8 @@ def pack(obj, name: str = "overmind", locate: Optional[Locator] = None, writers:
         protocol=PICKLE_PROTOCOL,
     )
     tensors = sum(1 for o in tables.objects if type(o) is TensorRef)
-    return Packed(skeleton, segments, tables.written, len(tables.storages), tensors, used)
+    return Packed(skeleton, segments, tables.written, len(tables.storages), tensors, used, tables.contents,
+                  tables.deduplicated)
 
 
 def _build_storages(storages: list, views: Sequence[Optional[memoryview]], map_location) -> list:

@@ -11,6 +11,13 @@ therefore counted per distinct segment (device, inode), once however many entrie
 it; an entry *owns* the segments no other entry holds and *shares* the rest. Evicting
 an entry only closes its fds (Note [Server owns segment fds] in overmind.server): the
 kernel frees a segment when its last fd and last client mapping are gone.
+
+Note [Content index]
+Each entry lists the contents its loader hashed (Note [Stored once by content] in
+overmind.reductions) as ``[digest, nbytes, slot, offset]``. :meth:`Registry.content_index`
+turns them into regions of live segments, named by (device, inode) and by an entry that
+holds the segment, so a loader can ask that entry for the fd. The index is built per
+request from the entries themselves: nothing to keep consistent on eviction.
 """
 
 from __future__ import annotations
@@ -80,13 +87,20 @@ class CacheEntry:
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     hits: int = 0
+    contents: list = field(default_factory=list)  # [[digest hex, nbytes, slot, offset]]: Note [Content index]
     segments: list = field(default_factory=list)  # [(dev, ino, size)] of live slots: Note [Memory is counted per segment]
+    slot_ids: list = field(default_factory=list)  # (dev, ino) per slot, None for an empty slot
 
     def __post_init__(self) -> None:
+        self.contents = [c for c in self.contents if isinstance(c, list) and len(c) == 4 and isinstance(c[0], str)
+                         and all(isinstance(v, int) for v in c[1:])]
         for slot in self.slots:
-            if slot is not None:
-                st = os.fstat(slot[0])
-                self.segments.append((st.st_dev, st.st_ino, st.st_size))
+            if slot is None:
+                self.slot_ids.append(None)
+                continue
+            st = os.fstat(slot[0])
+            self.segments.append((st.st_dev, st.st_ino, st.st_size))
+            self.slot_ids.append((st.st_dev, st.st_ino))
 
     def close(self) -> None:
         for slot in self.slots:
@@ -197,6 +211,26 @@ class Registry:
     def keys(self) -> list[str]:
         with self.lock:
             return list(self.entries)
+
+    def content_index(self) -> dict:
+        """Regions of live segments by content, for loaders: Note [Content index]."""
+        with self.lock:
+            keys: list[str] = []
+            regions: list[list] = []
+            seen: set = set()
+            for entry in sorted(self.entries.values(), key=lambda e: e.last_used, reverse=True):
+                number, added = len(keys), False
+                for digest, nbytes, slot, offset in entry.contents:
+                    if not 0 <= slot < len(entry.slot_ids) or entry.slot_ids[slot] is None:
+                        continue
+                    dev, ino = entry.slot_ids[slot]
+                    if (dev, ino, offset) not in seen:
+                        seen.add((dev, ino, offset))
+                        regions.append([digest, nbytes, number, dev, ino, offset])
+                        added = True
+                if added:
+                    keys.append(entry.key)
+            return {"keys": keys, "regions": regions}
 
     def summaries(self) -> list[dict]:
         """Per entry: bytes owned and shared (Note [Memory is counted per segment]), hits, last use."""

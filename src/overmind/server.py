@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -232,6 +233,9 @@ class Server:
                 return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {message.key}")
             live = [s for s in entry.slots if s is not None]
             P.send_message(conn, P.Fds(entry.key, [s[1] for s in live]), fds=[s[0] for s in live])
+        elif isinstance(message, P.GetContents):
+            index = self.registry.content_index()
+            P.send_message(conn, P.Contents(len(index["regions"])), json.dumps(index).encode())
         elif isinstance(message, P.Status):
             P.send_message(conn, P.StatusReply(self.status()))
         elif isinstance(message, P.ListEntries):
@@ -342,19 +346,15 @@ class Server:
             logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)
             result, skeleton, fds = self.loaders.run(request.key, context, blob, self.config.socket_path,
                                                      request.modules)
+        # The loader sends its new segments and, after them, those of other entries that hold some
+        # of its storages already (Note [Stored once by content] in overmind.reductions).
         slots: list = [None] * result.nslots
         for fd, size, slot in zip(fds, result.sizes, result.slots):
             slots[slot] = [fd, size]
-        # Storages found in other entries: their segments are appended after this entry's own.
-        for ref in result.refs:
-            other = self.registry.entries.get(ref)
-            if other is None:
-                for fd in fds:
-                    os.close(fd)
-                raise LoadFailure(P.ErrorCode.NOT_FOUND, f"entry {ref} was evicted while {request.key} loaded")
-            slots.extend([os.dup(s[0]), s[1]] if s else None for s in other.slots)
+        meta = dict(result.meta, load_seconds=time.monotonic() - started)
+        contents = meta.pop("contents", [])
         entry = CacheEntry(request.key, request.target, request.description, skeleton, slots, result.nbytes,
-                           list(result.refs), dict(result.meta, load_seconds=time.monotonic() - started))
+                           list(result.refs), meta, contents=contents if isinstance(contents, list) else [])
         try:
             evicted = self.registry.add(entry)
         except TooLarge as err:

@@ -57,18 +57,18 @@ def test_header_layout_is_pinned():
     assert P.HEADER.format == "<4sHHIQ"
     assert P.HEADER.size == 20
     assert P.MAGIC == b"OVMD"
-    assert P.PROTOCOL_VERSION == 1
+    assert P.PROTOCOL_VERSION == 2
 
 
 def test_message_type_codes_never_change():
     assert {code: cls.__name__ for code, cls in P.MESSAGE_TYPES.items()} == {
         1: "Hello", 2: "Welcome", 3: "Error",
-        10: "Load", 11: "Entry", 12: "GetFds", 13: "Fds", 14: "Pending",
+        10: "Load", 11: "Entry", 12: "GetFds", 13: "Fds", 14: "Pending", 15: "GetContents", 16: "Contents",
         20: "Status", 21: "StatusReply", 22: "ListEntries", 23: "EntryList", 24: "Evict", 25: "Evicted",
         26: "Shutdown", 27: "Ok", 28: "Prepare",
         40: "LoaderReady", 41: "Job", 42: "JobStarted", 43: "JobResult", 44: "JobFailed",
     }
-    assert {cls.__name__ for cls in P.MESSAGE_TYPES.values() if cls.WITH_BLOB} == {"Load", "Entry", "Job", "JobResult"}
+    assert {cls.__name__ for cls in P.MESSAGE_TYPES.values() if cls.WITH_BLOB} == {"Load", "Entry", "Contents", "Job", "JobResult"}
 
 
 def test_error_codes_never_change():
@@ -93,6 +93,8 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.Pending(key="k", loading=False, reason="OSError: no config.json"), b""),
     (P.GetFds(key="k"), b""),
     (P.Fds(key="k", sizes=[4096]), b""),
+    (P.GetContents(), b""),
+    (P.Contents(regions=1), b'{"keys": ["k"], "regions": [["00ff", 65536, 0, 45, 1234, 4096]]}'),
     (P.Status(), b""),
     (P.StatusReply(info={"entries": 2, "hits": 3, "nested": {"x": [1, 2.5, None]}}), b""),
     (P.ListEntries(), b""),

@@ -290,3 +290,50 @@ def test_unpack_refuses_a_non_bytes_skeleton():
 def test_meta_tensors_cannot_be_cached():
     with pytest.raises(pickle.PicklingError, match="meta"):
         pack({"t": torch.empty(3, device="meta").untyped_storage()})
+
+
+class PackedContents:
+    """A ContentStore over the segments of earlier packs (what overmind.dedup gets from the server)."""
+
+    def __init__(self, *packs) -> None:
+        self.segments = [seg for p in packs for seg in p.segments]
+        self.regions: dict = {}
+        base = 0
+        for p in packs:
+            for digest, nbytes, segment, offset in p.contents:
+                self.regions.setdefault((bytes.fromhex(digest), nbytes), []).append((base + segment, offset))
+            base += len(p.segments)
+        self.used: set = set()
+
+    def find(self, digest, nbytes):
+        for region in self.regions.get((digest, nbytes), ()):
+            if region not in self.used:
+                self.used.add(region)
+                return region
+        return None
+
+
+def test_contents_a_store_holds_are_referenced_not_copied_and_stay_distinct():
+    from overmind.reductions import DEDUP_MIN_BYTES
+
+    big = torch.randn(DEDUP_MIN_BYTES // 4)
+    model = {"a": big, "twin": big.clone(), "other": torch.randn(DEDUP_MIN_BYTES // 4), "small": torch.ones(8)}
+    first = pack(model)
+    assert first.contents == [] and first.deduplicated == 0  # no store: nothing hashed
+    first = pack(model, store=PackedContents())
+    assert len(first.contents) == 3 and first.deduplicated == 0
+
+    copy = {k: v.clone() for k, v in model.items()}
+    store = PackedContents(first)
+    second = pack(copy, store=store)
+    assert second.deduplicated == 3 * big.nbytes and second.nbytes < 1024
+    # Equal contents in one pack still get one region each: a write to one must not reach the other.
+    assert len({(s, o) for _, _, s, o in second.contents}) == 3
+    mappings = second.map_private() + [seg.map_private() for seg in store.segments]
+    again = unpack(second.skeleton, mappings)
+    assert all(torch.equal(again[k], model[k]) for k in model)
+    ranges = mapping_ranges(mappings[len(second.segments):])
+    assert all(inside(ranges, again[k]) for k in ("a", "twin", "other"))
+    again["a"].mul_(0)
+    assert torch.equal(again["twin"], big) and not torch.equal(again["a"], big)
+    assert torch.equal(unpack(first.skeleton, first.map_private())["a"], big)
