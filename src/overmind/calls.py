@@ -16,6 +16,16 @@ identity: a tensor, a file-like object, a function or other callable (a callable
 ``map_location``), a model that overmind did not load, or anything pickle cannot
 reach by reference. Such a call raises :class:`Uncacheable` here, never in the
 loader.
+
+Note [Canonical arguments]
+Spellings that load the same thing give one key: existing relative paths become
+absolute, ``torch_dtype="float16"`` / ``"torch.float16"`` become ``torch.float16``, and
+``torch.device("cpu")`` becomes ``"cpu"`` for device arguments. Only arguments named as
+dtypes or devices are rewritten (a ``variant="float16"`` is a file suffix, not a dtype),
+and the loader receives the canonical value, which every supported loader accepts.
+``"cuda"`` and ``"cuda:0"`` stay apart: which GPU ``"cuda"`` means depends on the caller.
+Defaults are not filled in: a call that spells out a default is one extra miss, never a
+wrong hit.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ __all__ = ["Target", "EncodedCall", "Uncacheable", "encode_call", "decode_call",
            "library_versions", "hub_snapshot"]
 
 PICKLE_PROTOCOL = 5
-KEY_VERSION = "overmind-key-1"
+KEY_VERSION = "overmind-key-2"
 _LIBRARIES = ("torch", "diffusers", "transformers", "accelerate", "bitsandbytes", "safetensors", "overmind")
 
 
@@ -138,6 +148,29 @@ def _normalise(value):
         return [_normalise(v) for v in value]
     if isinstance(value, tuple) and type(value) is tuple:
         return tuple(_normalise(v) for v in value)
+    return value
+
+
+_DTYPE_ARGUMENTS = frozenset({"torch_dtype", "dtype"})
+_DEVICE_ARGUMENTS = frozenset({"device", "map_location", "device_map"})
+
+
+def _canonical(name: str, value):
+    """See Note [Canonical arguments]."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+    if name in _DTYPE_ARGUMENTS and isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        return dtype if isinstance(dtype, torch.dtype) else value
+    if name in _DEVICE_ARGUMENTS:
+        if isinstance(value, torch.device):
+            return str(value)
+        if isinstance(value, str) and value not in ("auto", "balanced", "balanced_low_0", "sequential"):
+            try:
+                return str(torch.device(value))
+            except (RuntimeError, ValueError):
+                return value
     return value
 
 
@@ -273,7 +306,7 @@ def encode_call(target: Target, args: tuple, kwargs: dict, origin_of: Callable[[
     import xxhash
 
     args = tuple(_normalise(a) for a in args)
-    kwargs = {k: _normalise(v) for k, v in sorted(kwargs.items())}
+    kwargs = {k: _canonical(k, _normalise(v)) for k, v in sorted(kwargs.items())}
     buf = io.BytesIO()
     pickler = _CallPickler(buf, origin_of)
     try:

@@ -1,6 +1,6 @@
 """The ``overmind`` command: inspect and control a running overmind-server.
 
-    overmind status [--json]        pid, uptime, entries, bytes, hits, misses, ...
+    overmind status [--json]        the server (budget, used, hits, misses, evictions, ...) and its entries
     overmind list [--json]          one line per cached entry
     overmind evict KEY | --all      drop an entry (KEY may be a unique prefix) or all of them
     overmind shutdown               stop the server and wait until it has stopped
@@ -91,6 +91,10 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
              "loading"]
     names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n != "bytes")
     print(_table([(name, _format_value(name, info[name])) for name in names]))
+    entries = conn.simple(P.ListEntries(), P.EntryList).entries
+    if entries:
+        print()
+        _print_entries(entries)
     return EXIT_OK
 
 
@@ -98,10 +102,15 @@ def cmd_list(conn: Connection, args: argparse.Namespace) -> int:
     entries = conn.simple(P.ListEntries(), P.EntryList).entries
     if args.json:
         print(json.dumps(entries, sort_keys=True))
-        return EXIT_OK
-    if not entries:
+    elif not entries:
         print("no cached entries")
-        return EXIT_OK
+    else:
+        _print_entries(entries)
+    return EXIT_OK
+
+
+def _print_entries(entries: list[dict]) -> None:
+    """One line per entry, most recently used first: bytes it owns, bytes it shares with others."""
     now = time.time()
     rows = [("KEY", "OWNED", "SHARED", "HITS", "LAST USE", "DESCRIPTION")]
     for e in sorted(entries, key=lambda e: -float(e.get("last_used", 0))):
@@ -111,7 +120,6 @@ def cmd_list(conn: Connection, args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
         print(f"{row[0]:<{widths[0]}}  " + "  ".join(f"{row[i]:>{widths[i]}}" for i in range(1, 5)) + f"  {row[5]}")
-    return EXIT_OK
 
 
 def cmd_evict(conn: Connection, args: argparse.Namespace) -> int:

@@ -65,6 +65,10 @@ def test_list_and_status_reflect_a_cached_load_and_then_a_hit(server, models):
     info = _json(server.cli("status", "--json"))
     assert (info["entries"], info["misses"], info["hits"]) == (1, 1, 0)
     assert info["bytes"] > 0
+    status = server.cli("status").stdout
+    for field in ("used", "budget", "evictions", "stale_misses", "OWNED", "SHARED", "HITS", "LAST USE"):
+        assert field in status, status
+    assert entries[0]["key"][:16] in status and "UNet2DConditionModel" in status
 
     _load_unet(server, models)
     info = _json(server.cli("status", "--json"))

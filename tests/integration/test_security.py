@@ -345,11 +345,12 @@ def _rss_kib(server) -> int:
 
 def test_version_mismatch_is_answered_naming_both_versions(server):
     sock = _connect(server)
-    fields = json.dumps({"version": 2, "pid": 1, "role": "client"}).encode()
-    sock.sendall(_header(P.Hello.TYPE, len(fields), version=2) + fields)
+    other = P.PROTOCOL_VERSION + 1
+    fields = json.dumps({"version": other, "pid": 1, "role": "client"}).encode()
+    sock.sendall(_header(P.Hello.TYPE, len(fields), version=other) + fields)
     reply = _reply(sock)
     assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.VERSION_MISMATCH, reply
-    assert "2" in reply.message and str(P.PROTOCOL_VERSION) in reply.message
+    assert str(other) in reply.message and str(P.PROTOCOL_VERSION) in reply.message
     sock.close()
     _assert_healthy(server)
 

@@ -31,3 +31,34 @@ def test_a_folder_fingerprint_ignores_bytecode_caches_and_sees_data_files(tmp_pa
     (tmp_path / "weights.bin").write_bytes(b"22")
     os.utime(tmp_path / "weights.bin", (old + 1, old + 1))
     assert fingerprint_paths([str(tmp_path)]) != before
+
+
+def _key(**kwargs) -> str:
+    import torch
+
+    from overmind.calls import Target, encode_call
+
+    return encode_call(Target.of(torch.load), (), kwargs, lambda obj: None).key
+
+
+def test_dtype_and_device_spellings_that_load_the_same_give_one_key():
+    import torch
+
+    assert _key(torch_dtype=torch.float16) == _key(torch_dtype="float16") == _key(torch_dtype="torch.float16")
+    assert _key(torch_dtype=torch.float16) != _key(torch_dtype=torch.bfloat16)
+    assert _key(map_location=torch.device("cpu")) == _key(map_location="cpu")
+    assert _key(device_map=torch.device("cuda", 1)) == _key(device_map="cuda:1") != _key(device_map="cuda")
+    # only arguments named as dtypes are dtypes: a variant is a file suffix
+    assert _key(variant="float16") != _key(variant=torch.float16)
+    assert _key(device_map="auto") != _key(device_map="cpu")
+
+
+def test_the_loader_receives_the_canonical_arguments():
+    import torch
+
+    from overmind.calls import Target, decode_call, encode_call
+
+    call = encode_call(Target.of(torch.load), (), {"torch_dtype": "bfloat16", "map_location": torch.device("cpu")},
+                       lambda obj: None)
+    _, _, kwargs, _ = decode_call(call.blob, lambda key: None)
+    assert kwargs == {"map_location": "cpu", "torch_dtype": torch.bfloat16}
