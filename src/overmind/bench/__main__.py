@@ -1,0 +1,5 @@
+import sys
+
+from overmind.bench import main
+
+sys.exit(main())

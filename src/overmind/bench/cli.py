@@ -1,0 +1,270 @@
+"""``overmind-bench``: argument parsing and the order of a run (see overmind.bench)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from overmind.bench import models as M
+from overmind.bench.harness import BenchError, BenchServer, drop_page_cache, startup_overhead
+from overmind.bench.report import document, format_tables, plot, validate
+from overmind.bench.runner import MODES, Plan, Runner
+from overmind.bench.scenarios import LOAD_SCENARIOS, SCENARIOS, custom_scenario
+
+__all__ = ["main", "build_parser"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXTRA_SCENARIOS = ("custom", "memory", "startup")
+# --quick: a small version of every scenario (Note [Processes per scenario or per run] in
+# overmind.bench.runner).
+QUICK = {"scale": "small", "runs": 1, "warm_runs": 1, "memory_procs": 2, "startup_repeats": 5,
+         "process_per": "run", "memory_cases": "controlnet"}
+FULL = {"scale": "base", "runs": 3, "warm_runs": 3, "memory_procs": 4, "startup_repeats": 20,
+        "process_per": "scenario", "memory_cases": "controlnet,fp32_as_fp16"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import overmind.bench
+
+    parser = argparse.ArgumentParser(prog="overmind-bench", description=overmind.bench.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="a small version of every scenario (small models, 1 run, 2 holders)")
+    parser.add_argument("--scale", choices=list(M.SCALES),
+                        help="model sizes: " + "; ".join(f"{k}: {v.about}" for k, v in M.SCALES.items())
+                        + " (default base; --quick: small)")
+    parser.add_argument("--scenarios", metavar="LIST",
+                        help=f"comma-separated, from {', '.join((*LOAD_SCENARIOS, *EXTRA_SCENARIOS))} "
+                             "(default: all built-in ones; with --model: custom,memory,startup)")
+    parser.add_argument("--memory-cases", metavar="LIST",
+                        help="the load scenarios the memory scenario holds (default controlnet,fp32_as_fp16; "
+                             "--quick: controlnet; with --model: custom)")
+    parser.add_argument("--runs", type=int, help="plain and cold runs per scenario (default 3; --quick: 1)")
+    parser.add_argument("--warm-runs", type=int, help="warm runs per scenario (default 3; --quick: 1)")
+    parser.add_argument("--memory-procs", type=int, metavar="K",
+                        help="processes holding the model at once in the memory scenario (default 4; --quick: 2)")
+    parser.add_argument("--modes", default="plain,cold,warm",
+                        help=f"comma-separated, from {', '.join(MODES)} (default plain,cold,warm; first: cold on a "
+                             "server started just before)")
+    parser.add_argument("--drop-page-cache", action="store_true",
+                        help="also run every mode with the model's files evicted from the page cache")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: adds .to(device) to every load")
+    parser.add_argument("--loader", help="your model: module:Class with a from_pretrained, "
+                                         "e.g. diffusers:DiffusionPipeline")
+    parser.add_argument("--model", help="your model: a path or a hub id already in the local cache")
+    parser.add_argument("--dtype", help="torch dtype for your model, e.g. float16")
+    parser.add_argument("--cache-dir", type=Path,
+                        help=f"where generated models are kept (default {M.default_cache_dir()}; "
+                             "OVERMIND_BENCH_CACHE)")
+    parser.add_argument("--cold-mode", choices=["background", "wait"], default="background",
+                        help="OVERMIND_COLD of the cold runs (default background: the caller loads plainly "
+                             "while the server fills the cache)")
+    parser.add_argument("--process-per", choices=["scenario", "run"],
+                        help="a fresh worker per scenario and run (default), or one per mode and run for all "
+                             "scenarios (--quick)")
+    parser.add_argument("--startup-repeats", type=int, help="interpreters timed for start-up (default 20)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the results here (schema: overmind.bench.report)")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png", help="bar chart of the phases (needs matplotlib)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while generating models")
+    return parser
+
+
+def _names(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise ValueError(f"{option}: unknown {', '.join(unknown)}; choose from {', '.join(allowed)}")
+    return names
+
+
+def _custom_files(model: str) -> Optional[list[Path]]:
+    """The files of a user's model, for the page-cache-cold runs: a local path, or the local
+    snapshot of a hub id. None when neither is found."""
+    if Path(model).exists():
+        return M.model_files(Path(model))
+    try:
+        from huggingface_hub import snapshot_download
+
+        return M.model_files(Path(snapshot_download(model, local_files_only=True)))
+    except Exception:  # noqa: BLE001 -- any failure means: not available locally
+        return None
+
+
+def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
+    """The plan and the custom model's details; raises ValueError on bad usage."""
+    defaults = QUICK if args.quick else FULL
+    if bool(args.loader) != bool(args.model):
+        raise ValueError("--loader and --model go together, e.g. --loader diffusers:DiffusionPipeline --model PATH")
+    if args.dtype:
+        import torch
+
+        if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+            raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype (float16, bfloat16, float32, ...)")
+    custom = None
+    extra: dict = {}
+    if args.model:
+        model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+        custom = custom_scenario(args.loader, model, args.dtype)
+        extra["custom_files"] = _custom_files(model)
+    allowed = (*LOAD_SCENARIOS, *EXTRA_SCENARIOS)
+    default_list = "custom,memory,startup" if custom else ",".join((*LOAD_SCENARIOS, "memory", "startup"))
+    chosen = _names(args.scenarios or default_list, allowed, "--scenarios")
+    if "custom" in chosen and custom is None:
+        raise ValueError("--scenarios custom needs --loader and --model")
+    by_name = {**SCENARIOS, **({"custom": custom} if custom else {})}
+    loads = [by_name[n] for n in chosen if n in by_name]
+    memory_cases: list = []
+    if "memory" in chosen:
+        default_cases = "custom" if custom else defaults["memory_cases"]
+        cases = _names(args.memory_cases or default_cases, tuple(by_name), "--memory-cases")
+        memory_cases = [by_name[n] for n in cases]
+    modes = tuple(_names(args.modes, MODES, "--modes"))
+    if "plain" not in modes:
+        raise ValueError("--modes must include plain: every ratio is against it")
+    modes = tuple(m for m in MODES if m in modes)  # plain, first, cold, warm: warm must follow what filled it
+    for option in ("runs", "warm_runs", "memory_procs", "startup_repeats"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            raise ValueError(f"--{option.replace('_', '-')} must be at least 1")
+    plan = Plan(
+        scenarios=loads, memory_cases=memory_cases, startup="startup" in chosen,
+        scale=args.scale or defaults["scale"], runs=args.runs or defaults["runs"],
+        warm_runs=args.warm_runs or args.runs or defaults["warm_runs"], modes=modes,
+        memory_procs=args.memory_procs or defaults["memory_procs"],
+        startup_repeats=args.startup_repeats or defaults["startup_repeats"], device=args.device,
+        process_per=args.process_per or defaults["process_per"], cold_mode=args.cold_mode, quick=args.quick,
+    )
+    return plan, extra
+
+
+def _cuda_device(device: str) -> tuple[Optional[str], Optional[str]]:
+    """(device name, None) or (None, why CUDA cannot be used)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only torch build" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+        return None, f"--device {device}: CUDA is not available ({build}, {torch.cuda.device_count()} devices)"
+    index = int(device.partition(":")[2] or 0)
+    return torch.cuda.get_device_name(index), None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    started = time.monotonic()
+    try:
+        plan, extra = make_plan(args)
+    except ValueError as err:
+        print(f"overmind-bench: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+    def say(line: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {line}", file=sys.stderr, flush=True)
+
+    cuda_name = None
+    if plan.device != "cpu":
+        cuda_name, why = _cuda_device(plan.device) if plan.device.startswith("cuda") else (None, None)
+        if why:
+            say(f"skipped: {why}; the load scenarios need it (memory and start-up still run)")
+            plan.skipped.update({s.name: why for s in plan.scenarios})
+    cache_dir = (args.cache_dir or M.default_cache_dir()).expanduser().resolve()
+    needed = list(dict.fromkeys(n for s in [*plan.scenarios, *plan.memory_cases] if s.name not in plan.skipped
+                                for n in s.models))
+    log_dir = Path(tempfile.mkdtemp(prefix="overmind-bench-logs-"))
+    try:
+        server = BenchServer.start()
+    except BenchError as err:
+        print(f"overmind-bench: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    startup = None
+    try:
+        say(f"private overmind-server pid {server.pid} in {server.runtime_dir}; worker logs in {log_dir}")
+        runner = Runner(plan, {}, server, log_dir, cwd=os.getcwd(), echo=say)
+        # The server's loader starts while models are generated (Runner.prestart).
+        prestart = None
+        if plan.quick and plan.memory_cases:
+            runner.start_holders_early()  # they ask for it too
+        else:
+            prestart = runner.prestart()
+        try:
+            runner.paths = M.ensure_models(cache_dir, plan.scale, needed, progress=not args.no_progress)
+        except Exception as err:  # noqa: BLE001 -- whatever generation raised, say it and stop
+            print(f"overmind-bench: generating models in {cache_dir} failed: {type(err).__name__}: {err}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        finally:
+            if prestart is not None:
+                _close_prestart(runner, prestart)
+        runner.paths.update(extra)
+        if args.drop_page_cache:
+            _plan_page_cache(plan, runner.paths, say)
+        results = runner.run()
+        if plan.startup:
+            say(f"start-up: timing {plan.startup_repeats} bare and {plan.startup_repeats} patched interpreters")
+            startup = startup_overhead(plan.startup_repeats)
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+    finally:
+        server.stop()
+    doc = document(plan, results, startup, cache_dir=cache_dir, wall_s=time.monotonic() - started,
+                   cuda_device=cuda_name, argv=["overmind-bench", *argv])
+    validate(doc)
+    print(format_tables(doc), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        say(f"wrote {args.json}")
+    if args.plot:
+        try:
+            plot(doc, args.plot)
+            say(f"wrote {args.plot}")
+        except RuntimeError as err:
+            print(f"overmind-bench: {err}", file=sys.stderr)
+            return EXIT_FAILED
+    failed = [s["name"] for s in doc["scenarios"] if s["status"] == "failed"]
+    failed += [f"memory {m['scenario']}" for m in doc["memory"] if m["status"] == "failed"]
+    if failed:
+        say(f"overmind-bench: failed: {', '.join(failed)}; worker logs kept in {log_dir}")
+        return EXIT_FAILED
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return EXIT_OK
+
+
+def _close_prestart(runner: Runner, worker, timeout: float = 60.0) -> None:
+    # Its only job is monkey_patch_all()'s background request for a loader.
+    deadline = time.monotonic() + timeout
+    try:
+        worker.wait_ready()
+        while not runner.loaders_started() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except BenchError:
+        pass  # the timed runs start a loader anyway
+    finally:
+        worker.close()
+
+
+def _plan_page_cache(plan: Plan, paths: dict, say) -> None:
+    """Add the page-cache-cold state if dropping is permitted here; say which method, or why not."""
+    files = [f for s in plan.scenarios if s.name not in plan.skipped
+             for f in (paths.get("custom_files") or [] if s.name == "custom"
+                       else [f for n in s.models for f in M.model_files(paths[n])])]
+    if not files:
+        say("page cache cold: skipped: no local model files to evict")
+        return
+    if any(s.name == "custom" for s in plan.scenarios) and paths.get("custom_files") is None:
+        say("page cache cold: skipped: your model has no local files to evict (a hub id not in the local cache?)")
+        return
+    try:
+        plan.page_cache_method = drop_page_cache(files[:1])
+    except BenchError as err:
+        say(f"page cache cold: skipped: {err}")
+        return
+    plan.page_cache = ("warm", "cold")
+    say(f"page cache cold: {plan.page_cache_method} on every model file before each run")

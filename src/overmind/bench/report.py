@@ -1,0 +1,343 @@
+"""The benchmark's output: the JSON document (``--json``), the terminal table, the plot.
+
+JSON schema, version 1 (``SCHEMA_VERSION``; a change to a key or its meaning bumps it).
+Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` over runs::
+
+    {
+      "schema_version": 1,
+      "tool": "overmind-bench",
+      "overmind_version": str,
+      "created": str,                      # ISO 8601, UTC
+      "command": [str, ...],               # argv of the run
+      "wall_s": float,                     # the whole run, model generation included
+      "machine": {"cpus": int, "memory_bytes": int, "platform": str, "python": str,
+                  "versions": {"torch": str, "diffusers": str|null, "transformers": str|null},
+                  "cuda_device": str|null},
+      "settings": {"quick": bool, "scale": str, "device": str, "runs": int, "warm_runs": int,
+                   "modes": [str], "page_cache": [str], "page_cache_method": str|null,
+                   "memory_procs": int, "process_per": "scenario"|"run",
+                   "cold_mode": "background"|"wait", "cache_dir": str},
+      "startup": null | {"bare_s": summary, "patched_s": summary, "added_s": float},
+      "scenarios": [{
+          "name": str, "title": str, "why": str,
+          "status": "ok"|"skipped"|"failed", "reason": str|null,
+          "components": [str],             # the timed calls, in order
+          "tensor_bytes": int|null, "file_bytes": int,
+          "warm_misses": int,              # misses during warm runs: 0 when every call hit
+          "results": [{
+              "mode": "plain"|"first"|"cold"|"warm", "page_cache": "warm"|"cold",
+              "runs": [{phase: float}],    # phases: "import", each component, "to_device",
+                                           # "total" (components + to_device), "first_use"
+              "summary": {phase: summary},
+              "x_plain": float|null,       # median total / plain's, same page cache state
+              "x_plain_with_first_use": float|null}]}],
+      "memory": [{
+          "scenario": str, "procs": int, "tensor_bytes": int|null,
+          "status": "ok"|"failed", "reason": str|null,
+          "plain": null | holding, "overmind": null | holding}]
+    }
+
+where ``holding`` is ``{"pss_bytes": int, "used_bytes": int, "pss_ratio": float,
+"used_ratio": float, "pss_before_bytes": int, "pss_after_bytes": int, "load_s": summary}``:
+the growth of the holders' summed PSS (plus the server's process tree, for overmind) and of
+the machine's used memory (MemTotal - MemAvailable) while K processes load and hold the
+model, and each over ``tensor_bytes``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["SCHEMA_VERSION", "PHASES_AFTER", "document", "format_tables", "plot", "validate"]
+
+SCHEMA_VERSION = 1
+PHASES_AFTER = ("to_device", "total", "first_use")  # after a scenario's own components
+MODE_LABELS = {"plain": "plain", "first": "overmind first", "cold": "overmind cold", "warm": "overmind warm"}
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out: dict[str, Optional[str]] = {}
+    for name in ("torch", "diffusers", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, wall_s: float,
+             cuda_device: Optional[str], argv: list[str]) -> dict:
+    """The JSON document of a run (schema in the module docstring)."""
+    from overmind import __version__
+
+    scenarios = []
+    for scenario in plan.scenarios:
+        entry = results["scenarios"].get(scenario.name)
+        item: dict[str, Any] = {
+            "name": scenario.name, "title": scenario.title, "why": scenario.why,
+            "status": "ok", "reason": None, "components": list(scenario.components),
+            "tensor_bytes": None, "file_bytes": 0, "warm_misses": 0, "results": [],
+        }
+        if scenario.name in plan.skipped:
+            item.update(status="skipped", reason=plan.skipped[scenario.name])
+        elif entry is not None:
+            item.update(status=entry["status"], reason=entry["reason"], tensor_bytes=entry["tensor_bytes"],
+                        file_bytes=entry["file_bytes"], warm_misses=entry["warm_misses"])
+            for (mode, cache_state), runs in entry["runs"].items():
+                phases = [p for p in runs[0] if all(p in r for r in runs)]
+                for r in runs:
+                    r["total_with_first_use"] = r["total"] + r["first_use"]
+                summary = {p: _summary([r[p] for r in runs]) for p in [*phases, "total_with_first_use"]}
+                item["results"].append({"mode": mode, "page_cache": cache_state,
+                                        "runs": [{p: r[p] for p in phases} for r in runs], "summary": summary,
+                                        "x_plain": None, "x_plain_with_first_use": None})
+            order = {m: i for i, m in enumerate(plan.modes)}
+            item["results"].sort(key=lambda r: (plan.page_cache.index(r["page_cache"]), order[r["mode"]]))
+            for r in item["results"]:
+                base = next((b for b in item["results"] if b["mode"] == "plain" and b["page_cache"] == r["page_cache"]),
+                            None)
+                if base is not None:
+                    r["x_plain"] = r["summary"]["total"]["median"] / base["summary"]["total"]["median"]
+                    r["x_plain_with_first_use"] = (r["summary"]["total_with_first_use"]["median"]
+                                                   / base["summary"]["total_with_first_use"]["median"])
+            for r in item["results"]:
+                del r["summary"]["total_with_first_use"]
+        scenarios.append(item)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": "overmind-bench",
+        "overmind_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": list(argv),
+        "wall_s": wall_s,
+        "machine": {"cpus": os.cpu_count() or 0, "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                    "platform": platform.platform(), "python": platform.python_version(), "versions": _versions(),
+                    "cuda_device": cuda_device},
+        "settings": {"quick": plan.quick, "scale": plan.scale, "device": plan.device, "runs": plan.runs,
+                     "warm_runs": plan.warm_runs, "modes": list(plan.modes), "page_cache": list(plan.page_cache),
+                     "page_cache_method": plan.page_cache_method, "memory_procs": plan.memory_procs,
+                     "process_per": plan.process_per, "cold_mode": plan.cold_mode, "cache_dir": str(cache_dir)},
+        "startup": None if startup is None else {
+            "bare_s": _summary(startup["bare_s"]), "patched_s": _summary(startup["patched_s"]),
+            "added_s": startup["added_s"]},
+        "scenarios": scenarios,
+        "memory": [{**{k: m.get(k) for k in ("scenario", "procs", "tensor_bytes", "status", "reason")},
+                    "plain": m.get("plain"), "overmind": m.get("overmind")} for m in results["memory"]],
+    }
+
+
+# -- validation -------------------------------------------------------------------------------
+
+_NUM = (int, float)
+_SUMMARY = {"median": _NUM, "min": _NUM, "max": _NUM, "n": int}
+
+
+def validate(doc: dict) -> None:
+    """Raise ``ValueError`` naming the first place ``doc`` departs from the schema."""
+
+    def check(value, kind, where: str) -> None:
+        if isinstance(kind, dict):
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}: expected an object, got {type(value).__name__}")
+            missing = set(kind) - set(value)
+            if missing:
+                raise ValueError(f"{where}: missing {sorted(missing)}")
+            for key, sub in kind.items():
+                check(value[key], sub, f"{where}.{key}")
+        elif isinstance(kind, list):
+            if not isinstance(value, list):
+                raise ValueError(f"{where}: expected a list, got {type(value).__name__}")
+            for i, item in enumerate(value):
+                check(item, kind[0], f"{where}[{i}]")
+        elif callable(kind) and not isinstance(kind, type) and not isinstance(kind, tuple):
+            kind(value, where)
+        else:
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            if isinstance(value, bool) and bool not in kinds:
+                raise ValueError(f"{where}: expected {kinds}, got bool")
+            if not isinstance(value, kinds):
+                raise ValueError(f"{where}: expected {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
+
+    def one_of(*choices):
+        def check_choice(value, where):
+            if value not in choices:
+                raise ValueError(f"{where}: {value!r} is not one of {choices}")
+        return check_choice
+
+    def optional(kind):
+        def check_optional(value, where):
+            if value is not None:
+                check(value, kind, where)
+        return check_optional
+
+    def phases(kind):
+        def check_phases(value, where):
+            check(value, dict, where)
+            for name in ("import", "total", "first_use", "to_device"):
+                if name not in value:
+                    raise ValueError(f"{where}: missing phase {name!r}")
+            for name, item in value.items():
+                check(item, kind, f"{where}.{name}")
+        return check_phases
+
+    holding = optional({"pss_bytes": int, "used_bytes": int, "pss_ratio": _NUM, "used_ratio": _NUM,
+                        "pss_before_bytes": int, "pss_after_bytes": int, "load_s": _SUMMARY})
+    schema = {
+        "schema_version": one_of(SCHEMA_VERSION), "tool": one_of("overmind-bench"), "overmind_version": str,
+        "created": str, "command": [str], "wall_s": _NUM,
+        "machine": {"cpus": int, "memory_bytes": int, "platform": str, "python": str,
+                    "versions": {"torch": optional(str), "diffusers": optional(str), "transformers": optional(str)},
+                    "cuda_device": optional(str)},
+        "settings": {"quick": bool, "scale": str, "device": str, "runs": int, "warm_runs": int, "modes": [str],
+                     "page_cache": [one_of("warm", "cold")], "page_cache_method": optional(str),
+                     "memory_procs": int, "process_per": one_of("scenario", "run"),
+                     "cold_mode": one_of("background", "wait"), "cache_dir": str},
+        "startup": optional({"bare_s": _SUMMARY, "patched_s": _SUMMARY, "added_s": _NUM}),
+        "scenarios": [{
+            "name": str, "title": str, "why": str, "status": one_of("ok", "skipped", "failed"),
+            "reason": optional(str), "components": [str], "tensor_bytes": optional(int), "file_bytes": int,
+            "warm_misses": int,
+            "results": [{"mode": one_of("plain", "first", "cold", "warm"), "page_cache": one_of("warm", "cold"),
+                         "runs": [phases(_NUM)], "summary": phases(_SUMMARY), "x_plain": optional(_NUM),
+                         "x_plain_with_first_use": optional(_NUM)}]}],
+        "memory": [{"scenario": str, "procs": int, "tensor_bytes": optional(int),
+                    "status": one_of("ok", "failed"), "reason": optional(str), "plain": holding,
+                    "overmind": holding}],
+    }
+    check(doc, schema, "$")
+
+
+# -- the terminal table -----------------------------------------------------------------------
+
+
+def _gb(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _s(x: float) -> str:
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def _grid(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_tables(doc: dict) -> str:
+    settings, out = doc["settings"], []
+    device = settings["device"]
+    per = ("one process per mode and run, scenarios in turn" if settings["process_per"] == "run"
+           else "a fresh process per run")
+    out.append(f"overmind-bench: scale {settings['scale']}, device {device}, {per}; seconds, median "
+               f"(min-max) of {settings['runs']} runs (warm: {settings['warm_runs']}); "
+               "import = interpreter start to libraries imported")
+    if settings["page_cache_method"]:
+        out.append(f"page cache cold: {settings['page_cache_method']} on every file of the model before each run")
+    for sc in doc["scenarios"]:
+        size = f"{_gb(sc['tensor_bytes'])} of tensors" if sc["tensor_bytes"] else ""
+        out.append("")
+        out.append(f"{sc['name']}: {sc['title']}" + (f"; {size}" if size else "") + (f" ({sc['why']})" if sc["why"] else ""))
+        if sc["status"] != "ok":
+            out.append(f"  {sc['status']}: {sc['reason']}")
+            if not sc["results"]:
+                continue
+        caches = {r["page_cache"] for r in sc["results"]}
+        header = ["mode", "import", *sc["components"], f"to({device})", "total", "first use", "x plain",
+                  "x plain +use"]
+        rows = [header]
+        for r in sc["results"]:
+            s = r["summary"]
+            label = MODE_LABELS[r["mode"]] + (f", page cache {r['page_cache']}" if len(caches) > 1 else "")
+            total = s["total"]
+            rows.append([label, _s(s["import"]["median"]),
+                         *[_s(s[c]["median"]) if c in s else "-" for c in sc["components"]],
+                         _s(s["to_device"]["median"]),
+                         f"{_s(total['median'])} ({_s(total['min'])}-{_s(total['max'])})",
+                         _s(s["first_use"]["median"]),
+                         "-" if r["x_plain"] is None else f"{r['x_plain']:.3f}",
+                         "-" if r["x_plain_with_first_use"] is None else f"{r['x_plain_with_first_use']:.3f}"])
+        out.append(_grid(rows))
+        if sc["warm_misses"]:
+            out.append(f"  warning: {sc['warm_misses']} warm call(s) missed the cache")
+    if doc["memory"]:
+        procs = doc["memory"][0]["procs"]
+        out.append("")
+        out.append(f"memory: {procs} processes load and hold the model (every weight touched); growth of their "
+                   "summed PSS (+ the server, for overmind) and of the machine's used memory (MemTotal - MemAvailable: "
+                   "shared memory counts, page cache does not), and each over the tensor bytes")
+        rows = [["model", "tensor bytes", "plain PSS", "overmind PSS", "plain used", "overmind used"]]
+        for m in doc["memory"]:
+            if m["status"] != "ok":
+                rows.append([m["scenario"], _gb(m["tensor_bytes"]), m["status"], m["reason"].splitlines()[0][:60], "",
+                             ""])
+                continue
+            p, o = m["plain"], m["overmind"]
+            rows.append([m["scenario"], _gb(m["tensor_bytes"]),
+                         f"{_gb(p['pss_bytes'])} ({p['pss_ratio']:.2f}x)", f"{_gb(o['pss_bytes'])} ({o['pss_ratio']:.2f}x)",
+                         f"{_gb(p['used_bytes'])} ({p['used_ratio']:.2f}x)", f"{_gb(o['used_bytes'])} ({o['used_ratio']:.2f}x)"])
+        out.append(_grid(rows))
+    if doc["startup"]:
+        st = doc["startup"]
+        out.append("")
+        out.append(f"start-up: `import overmind.api; overmind.api.monkey_patch_all()` adds {st['added_s'] * 1000:.1f} ms "
+                   f"to a fresh interpreter (median of {st['bare_s']['n']}: {st['bare_s']['median'] * 1000:.1f} ms bare, "
+                   f"{st['patched_s']['median'] * 1000:.1f} ms patched)")
+    out.append("")
+    out.append(f"wall time {doc['wall_s']:.0f} s")
+    return "\n".join(out)
+
+
+# -- the plot ---------------------------------------------------------------------------------
+
+
+def plot(doc: dict, path: Path) -> None:
+    """A bar chart of the phases: one panel per scenario, one stacked bar per mode."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'overmind[bench]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [sc for sc in doc["scenarios"] if sc["results"]]
+    if not panels:
+        raise RuntimeError("--plot: no scenario has results to draw")
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.2 + 1.1 * sum(len(sc["results"]) for sc in panels)),
+                             squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for ax, sc in zip(axes[:, 0], panels):
+        phases = [*sc["components"], "to_device", "first_use"]
+        labels = [MODE_LABELS[r["mode"]] + ("" if len({x["page_cache"] for x in sc["results"]}) == 1
+                                            else f"\npage cache {r['page_cache']}") for r in sc["results"]]
+        left = [0.0] * len(sc["results"])
+        for i, phase in enumerate(phases):
+            widths = [r["summary"][phase]["median"] if phase in r["summary"] else 0.0 for r in sc["results"]]
+            name = "to(device)" if phase == "to_device" else "first use" if phase == "first_use" else phase
+            ax.barh(labels, widths, left=left, color=colors[i % len(colors)], label=name,
+                    hatch="//" if phase == "first_use" else None, edgecolor="white")
+            left = [a + b for a, b in zip(left, widths)]
+        for y, (r, x) in enumerate(zip(sc["results"], left)):
+            ratio = "" if r["x_plain"] is None or r["mode"] == "plain" else f"  {r['x_plain']:.3f} x plain"
+            ax.text(x, y, f" {r['summary']['total']['median']:.3f} s{ratio}", va="center", fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{sc['name']}: {_gb(sc['tensor_bytes'])}", fontsize=10, loc="left")
+        ax.set_xlabel("seconds (median); import not shown")
+        ax.set_xlim(0, max(left) * 1.45 or 1)
+        ax.legend(fontsize=7, loc="lower right", ncol=len(phases))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,304 @@
+"""Runs a benchmark plan: every load in fresh worker processes, then the memory scenario.
+
+    results = Runner(plan, paths, server, log_dir).run()     # the dict report.document() wraps
+
+Modes, each a fresh process (:mod:`overmind.bench.worker`):
+
+- ``plain``: ``OVERMIND_DISABLE=1``, the libraries' own loaders;
+- ``cold``: overmind after ``overmind evict --all``: a miss (by default the caller runs the
+  original loader while the server fills the cache behind it);
+- ``warm``: overmind, every call a hit;
+- ``first`` (only when asked for): cold on a server started just before, no loader ready.
+
+Note [Rounds interleave the modes]
+Round r runs plain, then cold, then warm, then round r+1: the machine is shared and its
+load drifts, and interleaving spreads that drift over every mode instead of charging it
+to whichever ran last. Warm follows cold, so the cold run is what filled the cache; the
+server is idle before each run (a cache fill behind a cold load would otherwise compete
+with the next run for the CPU), and warm runs must add no miss.
+
+Note [Processes per scenario or per run]
+By default each scenario gets its own worker per run. ``--quick`` (``process_per="run"``)
+runs every scenario of a round in one worker per mode, in turn: interpreter start-up and
+``import torch, diffusers, transformers`` cost seconds on a small machine, and paying them
+once per mode is what keeps the quick run within minutes. Loads are timed the same way;
+only ``import`` is then shared by the scenarios of that worker.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from overmind.bench.harness import (BenchError, BenchServer, Worker, base_env, drop_page_cache, pss, tree_pss,
+                                    used_memory)
+from overmind.bench.models import model_files
+from overmind.bench.scenarios import Scenario
+
+__all__ = ["Plan", "Runner", "MODES", "FALLBACK_MARK"]
+
+MODES = ("plain", "first", "cold", "warm")
+# What overmind.api's fallback warning looks like on stderr: a run that printed it did not
+# go through the cache, whatever its times say.
+FALLBACK_MARK = "Warning: overmind:"
+
+
+@dataclass
+class Plan:
+    scenarios: list[Scenario]
+    memory_cases: list[Scenario]
+    startup: bool = True
+    scale: str = "base"
+    runs: int = 3
+    warm_runs: int = 3
+    modes: tuple[str, ...] = ("plain", "cold", "warm")
+    page_cache: tuple[str, ...] = ("warm",)
+    page_cache_method: Optional[str] = None
+    memory_procs: int = 4
+    startup_repeats: int = 20
+    device: str = "cpu"
+    process_per: str = "scenario"
+    cold_mode: str = "background"
+    quick: bool = False
+    skipped: dict = field(default_factory=dict)  # scenario name -> reason
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+class Runner:
+    def __init__(self, plan: Plan, paths: dict, server: BenchServer, log_dir: Path, cwd: Optional[str] = None,
+                 echo=None) -> None:
+        self.plan, self.paths, self.server, self.log_dir, self.cwd = plan, paths, server, Path(log_dir), cwd
+        self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.results: dict = {}
+        self._holders: dict[str, list[Worker]] = {}
+
+    # -- timing ---------------------------------------------------------------------------
+
+    def files(self, scenario: Scenario) -> list[Path]:
+        if scenario.name == "custom":
+            return self.paths.get("custom_files") or []
+        out: list[Path] = []
+        for name in scenario.models:
+            out += model_files(self.paths[name])
+        return sorted(set(out))
+
+    def env(self, mode: str) -> dict:
+        if mode == "plain":
+            return base_env({"OVERMIND_DISABLE": "1", "OVERMIND_RUNTIME_DIR": str(self.server.runtime_dir),
+                             "OVERMIND_NO_AUTOSTART": "1"})
+        return self.server.client_env({"OVERMIND_COLD": self.plan.cold_mode})
+
+    def _entry(self, scenario: Scenario) -> dict:
+        if scenario.name not in self.results:
+            files = self.files(scenario)
+            self.results[scenario.name] = {
+                "scenario": scenario, "runs": {}, "tensor_bytes": None,
+                "file_bytes": sum(p.stat().st_size for p in files), "status": "ok", "reason": None,
+                "warm_misses": 0, "warnings": [],
+            }
+        return self.results[scenario.name]
+
+    def _fail(self, scenario: Scenario, reason: str) -> None:
+        entry = self._entry(scenario)
+        if entry["status"] != "failed":
+            entry["status"], entry["reason"] = "failed", reason.strip()
+            self.echo(f"{scenario.name}: FAILED: {reason.strip().splitlines()[0] if reason.strip() else ''}")
+
+    def job(self, scenario: Scenario, hold: bool = False, device: Optional[str] = None) -> dict:
+        paths = {name: str(self.paths[name]) for name in scenario.models}
+        return {"op": "load", "scenario": scenario.name, "paths": paths, "options": scenario.options,
+                "device": device or self.plan.device, "hold": hold}
+
+    def run_batch(self, batch: list[Scenario], mode: str, cache_state: str, round_: int) -> None:
+        batch = [s for s in batch if self._entry(s)["status"] == "ok"]
+        if not batch:
+            return
+        if mode == "first":
+            self.server.restart()
+        if mode in ("cold", "first"):
+            self.server.evict_all()
+            self.server.wait_idle()
+        misses = self.server.status()["misses"] if mode == "warm" else 0
+        preload = list(dict.fromkeys(p for s in batch for p in s.preload))
+        label = f"{mode}-pagecache-{cache_state}-{round_ + 1}-{'+'.join(s.name for s in batch)}"
+        worker = Worker(self.env(mode), preload, self.log_dir, label[:200], cwd=self.cwd)
+        try:
+            try:
+                ready = worker.wait_ready()
+            except BenchError as err:
+                for s in batch:
+                    self._fail(s, str(err))
+                return
+            for scenario in batch:
+                if cache_state == "cold":
+                    drop_page_cache(self.files(scenario))
+                try:
+                    reply = worker.request(self.job(scenario))
+                except BenchError as err:
+                    self._fail(scenario, str(err))
+                    continue
+                if mode != "plain":
+                    self.server.wait_idle()
+                entry = self._entry(scenario)
+                entry["tensor_bytes"] = reply["tensor_bytes"]
+                run = {"import": ready["import_s"], **reply["phases"]}
+                entry["runs"].setdefault((mode, cache_state), []).append(run)
+                self.echo(f"{scenario.name:<13} {mode:<5} page cache {cache_state:<4} run {round_ + 1}: "
+                          f"load {run['total']:.3f} s, first use {run['first_use']:.3f} s, import {run['import']:.2f} s")
+        finally:
+            worker.close()
+        if mode != "plain" and FALLBACK_MARK in worker.stderr():
+            line = next(ln for ln in worker.stderr().splitlines() if FALLBACK_MARK in ln)
+            for s in batch:
+                self._fail(s, f"{mode} run fell back to a plain load: {line.strip()}")
+        if mode == "warm":
+            extra = self.server.status()["misses"] - misses
+            for s in batch:
+                self._entry(s)["warm_misses"] += extra
+
+    def timing(self) -> None:
+        plan = self.plan
+        runnable = [s for s in plan.scenarios if s.name not in plan.skipped]
+        batches = [runnable] if plan.process_per == "run" else [[s] for s in runnable]
+        counts = {"plain": plan.runs, "first": plan.runs, "cold": plan.runs, "warm": plan.warm_runs}
+        for batch in (b for b in batches if b):
+            for cache_state in plan.page_cache:
+                if cache_state == "warm":
+                    for scenario in batch:
+                        _read_files(self.files(scenario))
+                # Note [Rounds interleave the modes]
+                for round_ in range(max(counts[m] for m in plan.modes)):
+                    for mode in plan.modes:
+                        if round_ < counts[mode]:
+                            self.run_batch(batch, mode, cache_state, round_)
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def memory(self, scenario: Scenario) -> dict:
+        """K workers hold ``scenario``'s object (every weight touched), plain and then through
+        overmind; growth of their summed PSS and of the machine's used memory.
+
+        Note [One set of holders]
+        The same K processes hold the model plainly (``unpatch_all()``), let go of it, and
+        hold it through overmind (``monkey_patch_all()`` again), so the K imports are paid
+        once. Each pair of measurements brackets one set of loads, with the same processes
+        alive at both ends; what a process kept of the plain load stays in both ends of the
+        overmind pair and cancels out. The cache is empty when the overmind loads start
+        (``OVERMIND_COLD=wait``: one fill, every holder maps it), so its shared memory is
+        part of the growth."""
+        out: dict = {"scenario": scenario.name, "procs": self.plan.memory_procs, "tensor_bytes": None,
+                     "status": "ok", "reason": None, "plain": None, "overmind": None}
+        _read_files(self.files(scenario))
+        self.server.evict_all()
+        self.server.wait_idle()
+        workers = self._holders.pop(scenario.name, None) or self.start_holders(scenario)
+        try:
+            for w in workers:
+                w.wait_ready()
+            self.wait_loaders_ready()
+            for mode in ("plain", "overmind"):
+                for w in workers:
+                    w.request({"op": "unpatch" if mode == "plain" else "patch"})
+                out[mode], out["tensor_bytes"] = self._hold(scenario, mode, workers)
+                for w in workers:
+                    w.request({"op": "drop"})
+        except BenchError as err:
+            out["status"], out["reason"] = "failed", str(err).strip()
+            self.echo(f"memory {scenario.name}: FAILED: {str(err).strip().splitlines()[0]}")
+            return out
+        finally:
+            for w in workers:
+                w.close()
+        text = "".join(w.stderr() for w in workers)
+        if FALLBACK_MARK in text:
+            out["status"] = "failed"
+            out["reason"] = "a holder fell back to a plain load: " + next(
+                ln for ln in text.splitlines() if FALLBACK_MARK in ln).strip()
+            return out
+        for mode in ("plain", "overmind"):
+            for kind in ("pss", "used"):
+                out[mode][f"{kind}_ratio"] = out[mode][f"{kind}_bytes"] / out["tensor_bytes"]
+        return out
+
+    def start_holders(self, scenario: Scenario) -> list[Worker]:
+        # Patched, waiting for the cache on a miss (Note [One set of holders]).
+        env = self.server.client_env({"OVERMIND_COLD": "wait"})
+        return [Worker(env, scenario.preload, self.log_dir, f"memory-{scenario.name}-{i + 1}", cwd=self.cwd)
+                for i in range(self.plan.memory_procs)]
+
+    def start_holders_early(self) -> None:
+        """Note [Early holders]: the memory scenario's workers spend seconds importing and
+        then wait, idle, until the memory scenario; ``--quick`` starts them first, beside
+        model generation and the server's loader start-up (which they ask for), instead of
+        after the timed runs. A full run does not: K idle holders would sit on memory for
+        minutes, and a separate :meth:`prestart` gets the loader started."""
+        for scenario in self.plan.memory_cases:
+            self._holders[scenario.name] = self.start_holders(scenario)
+
+    def _hold(self, scenario: Scenario, mode: str, workers: list[Worker]) -> tuple[dict, int]:
+        overmind = mode == "overmind"
+
+        def measure() -> tuple[int, int]:
+            total = sum(pss(w.pid) for w in workers)
+            return total + (tree_pss(self.server.pid) if overmind else 0), used_memory()
+
+        time.sleep(0.5)
+        pss0, used0 = measure()
+        for w in workers:
+            w.send(self.job(scenario, hold=True, device="cpu"))
+        replies = [w.receive() for w in workers]
+        if overmind:
+            self.server.wait_idle()
+        time.sleep(0.5)
+        pss1, used1 = measure()
+        result = {"pss_bytes": pss1 - pss0, "used_bytes": used1 - used0, "pss_before_bytes": pss0,
+                  "pss_after_bytes": pss1, "load_s": _summary([r["phases"]["total"] for r in replies])}
+        self.echo(f"memory {scenario.name:<13} {mode:<8} {len(workers)} holders: summed PSS "
+                  f"{result['pss_bytes'] / 1e9:+.2f} GB, used memory {result['used_bytes'] / 1e9:+.2f} GB, "
+                  f"{replies[0]['tensor_bytes'] / 1e9:.2f} GB of tensors")
+        return result, replies[0]["tensor_bytes"]
+
+    def prestart(self) -> Worker:
+        """Get the server's loader for the workers' context started now, while models are
+        generated: a zygote importing torch beside a timed worker would slow it (its import
+        time most). monkey_patch_all() asks for it in the background; close the returned
+        worker once :meth:`loaders_started` says the request arrived."""
+        worker = Worker(self.env("warm"), [], self.log_dir, "prestart", cwd=self.cwd)
+        return worker
+
+    def loaders_started(self) -> bool:
+        return bool(self.server.status().get("loaders"))
+
+    def wait_loaders_ready(self, timeout: float = 300.0) -> None:
+        # A zygote still importing must not land between two measurements.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            loaders = self.server.status().get("loaders") or []
+            if all(isinstance(z, dict) and z.get("ready") for z in loaders):
+                return
+            time.sleep(0.2)
+
+    # -- everything -----------------------------------------------------------------------
+
+    def run(self) -> dict:
+        for worker in (w for ws in self._holders.values() for w in ws):
+            worker.wait_ready()  # early holders (Note [Early holders]): imported before anything is timed
+        self.wait_loaders_ready()
+        self.timing()
+        memory = [self.memory(s) for s in self.plan.memory_cases]
+        return {"scenarios": self.results, "memory": memory}
+
+
+def _read_files(files: list[Path]) -> None:
+    """Warm the page cache: every byte of ``files`` read once."""
+    for path in files:
+        with open(path, "rb") as f:
+            while f.read(1 << 24):
+                pass
