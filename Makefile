@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml setup.py csrc/overmind.cpp
 	$(PY) -c "import torch, overmind.native as n; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert n.HAVE_EXTENSION"
 	touch $(STAMP)
 
-# The main job: cold vs warm load of a model generated on this machine.
+# The main job: overmind-bench --quick, plain vs cold vs warm loads, memory and start-up of
+# small models it generates (into ~/.cache/overmind-bench; OVERMIND_BENCH_CACHE moves it).
 demo: venv
-	HF_HUB_OFFLINE=1 $(PY) benchmarks/server_loads.py --runs 1
+	$(VENV)/bin/overmind-bench --quick
 
 test: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --timeout=600 tests

@@ -33,7 +33,8 @@ UNET_CONFIGS: dict[str, dict[str, Any]] = {
     "sd15": dict(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
     "large": dict(sample_size=64, cross_attention_dim=768, attention_head_dim=8,
                   block_out_channels=(448, 896, 1792, 1792)),
-    "small": dict(sample_size=32, cross_attention_dim=256, attention_head_dim=8, block_out_channels=(64, 128, 256, 256)),
+    "small": dict(sample_size=32, cross_attention_dim=256, attention_head_dim=8,
+                  block_out_channels=(64, 128, 256, 256)),
     "tiny": dict(
         sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
@@ -320,6 +321,10 @@ def _unet_to_ldm(state: dict, layers_per_block: int) -> dict:
     return out
 
 
+def _ldm_vae_resnet(parts: list) -> str:
+    return ".".join(parts).replace("conv_shortcut", "nin_shortcut")
+
+
 def _vae_to_ldm(state: dict, num_blocks: int) -> dict:
     from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
 
@@ -331,16 +336,16 @@ def _vae_to_ldm(state: dict, num_blocks: int) -> dict:
         if key in top:
             new = top[key]
         elif parts[1] == "down_blocks" and parts[3] == "resnets":
-            new = f"{side}.down.{parts[2]}.block.{parts[4]}." + ".".join(parts[5:]).replace("conv_shortcut", "nin_shortcut")
+            new = f"{side}.down.{parts[2]}.block.{parts[4]}.{_ldm_vae_resnet(parts[5:])}"
         elif parts[1] == "down_blocks":
             new = f"{side}.down.{parts[2]}.downsample.conv.{parts[-1]}"
         elif parts[1] == "up_blocks" and parts[3] == "resnets":
             block = num_blocks - 1 - int(parts[2])  # LDM numbers decoder blocks from the bottom
-            new = f"{side}.up.{block}.block.{parts[4]}." + ".".join(parts[5:]).replace("conv_shortcut", "nin_shortcut")
+            new = f"{side}.up.{block}.block.{parts[4]}.{_ldm_vae_resnet(parts[5:])}"
         elif parts[1] == "up_blocks":
             new = f"{side}.up.{num_blocks - 1 - int(parts[2])}.upsample.conv.{parts[-1]}"
         elif parts[1] == "mid_block" and parts[2] == "resnets":
-            new = f"{side}.mid.block_{int(parts[3]) + 1}." + ".".join(parts[4:]).replace("conv_shortcut", "nin_shortcut")
+            new = f"{side}.mid.block_{int(parts[3]) + 1}.{_ldm_vae_resnet(parts[4:])}"
         elif parts[1] == "mid_block" and parts[2] == "attentions":
             new = f"{side}.mid.attn_1.{_LDM_VAE_ATTENTION[parts[4]]}.{parts[-1]}"
             if tensor.dim() == 2:  # LDM's attention projections are 1x1 convolutions

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a fresh worker per scenario and run (default), or one per mode and run for all "
                              "scenarios (--quick)")
     parser.add_argument("--startup-repeats", type=int, help="interpreters timed for start-up (default 20)")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the results here (schema: overmind.bench.report)")
+    parser.add_argument("--json", type=Path, metavar="FILE",
+                        help="write the results here (schema: overmind.bench.report)")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="bar chart of the phases (needs matplotlib)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while generating models")
     return parser

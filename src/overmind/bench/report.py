@@ -121,7 +121,8 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": list(argv),
         "wall_s": wall_s,
-        "machine": {"cpus": os.cpu_count() or 0, "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "machine": {"cpus": os.cpu_count() or 0,
+                    "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                     "platform": platform.platform(), "python": platform.python_version(), "versions": _versions(),
                     "cuda_device": cuda_device},
         "settings": {"quick": plan.quick, "scale": plan.scale, "device": plan.device, "runs": plan.runs,
@@ -250,7 +251,8 @@ def format_tables(doc: dict) -> str:
     for sc in doc["scenarios"]:
         size = f"{_gb(sc['tensor_bytes'])} of tensors" if sc["tensor_bytes"] else ""
         out.append("")
-        out.append(f"{sc['name']}: {sc['title']}" + (f"; {size}" if size else "") + (f" ({sc['why']})" if sc["why"] else ""))
+        out.append(f"{sc['name']}: {sc['title']}" + (f"; {size}" if size else "")
+                   + (f" ({sc['why']})" if sc["why"] else ""))
         if sc["status"] != "ok":
             out.append(f"  {sc['status']}: {sc['reason']}")
             if not sc["results"]:
@@ -287,14 +289,15 @@ def format_tables(doc: dict) -> str:
                 continue
             p, o = m["plain"], m["overmind"]
             rows.append([m["scenario"], _gb(m["tensor_bytes"]),
-                         f"{_gb(p['pss_bytes'])} ({p['pss_ratio']:.2f}x)", f"{_gb(o['pss_bytes'])} ({o['pss_ratio']:.2f}x)",
-                         f"{_gb(p['used_bytes'])} ({p['used_ratio']:.2f}x)", f"{_gb(o['used_bytes'])} ({o['used_ratio']:.2f}x)"])
+                         *(f"{_gb(h[kind + '_bytes'])} ({h[kind + '_ratio']:.2f}x)" for kind in ("pss", "used")
+                           for h in (p, o))])
         out.append(_grid(rows))
     if doc["startup"]:
         st = doc["startup"]
         out.append("")
-        out.append(f"start-up: `import overmind.api; overmind.api.monkey_patch_all()` adds {st['added_s'] * 1000:.1f} ms "
-                   f"to a fresh interpreter (median of {st['bare_s']['n']}: {st['bare_s']['median'] * 1000:.1f} ms bare, "
+        out.append(f"start-up: `import overmind.api; overmind.api.monkey_patch_all()` adds "
+                   f"{st['added_s'] * 1000:.1f} ms to a fresh interpreter (median of {st['bare_s']['n']}: "
+                   f"{st['bare_s']['median'] * 1000:.1f} ms bare, "
                    f"{st['patched_s']['median'] * 1000:.1f} ms patched)")
     out.append("")
     out.append(f"wall time {doc['wall_s']:.0f} s")
@@ -309,7 +312,8 @@ def plot(doc: dict, path: Path) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'overmind[bench]' (or pip install matplotlib)") from None
+        raise RuntimeError("--plot needs matplotlib: pip install 'overmind[bench]' (or pip install matplotlib)") \
+            from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

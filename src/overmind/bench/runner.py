@@ -151,7 +151,8 @@ class Runner:
                 run = {"import": ready["import_s"], **reply["phases"]}
                 entry["runs"].setdefault((mode, cache_state), []).append(run)
                 self.echo(f"{scenario.name:<13} {mode:<5} page cache {cache_state:<4} run {round_ + 1}: "
-                          f"load {run['total']:.3f} s, first use {run['first_use']:.3f} s, import {run['import']:.2f} s")
+                          f"load {run['total']:.3f} s, first use {run['first_use']:.3f} s, "
+                          f"import {run['import']:.2f} s")
         finally:
             worker.close()
         if mode != "plain" and FALLBACK_MARK in worker.stderr():

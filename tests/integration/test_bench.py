@@ -1,0 +1,231 @@
+"""overmind-bench end to end: real models generated in tmp, a real private server, workers."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..conftest import REPO, age_files, child_env
+
+LOADS = ("controlnet", "lm", "fp32_as_fp16", "pickle_bin", "single_file", "custom")
+SUMMARY = {"median": float, "min": float, "max": float, "n": int}
+
+
+def bench(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "overmind.bench", "--no-progress", *args], capture_output=True,
+                          text=True, env=child_env(), cwd=cwd, timeout=timeout)
+
+
+def check_schema(value, schema, where="$"):
+    """Strict: every documented key present with its type (overmind.bench.report, version 1)."""
+    if isinstance(schema, dict):
+        assert isinstance(value, dict), where
+        assert set(schema) <= set(value), f"{where}: missing {sorted(set(schema) - set(value))}"
+        for key, sub in schema.items():
+            check_schema(value[key], sub, f"{where}.{key}")
+    elif isinstance(schema, list):
+        assert isinstance(value, list), where
+        for i, item in enumerate(value):
+            check_schema(item, schema[0], f"{where}[{i}]")
+    elif isinstance(schema, tuple):  # alternatives: None, a type, an object schema or a literal value
+        assert any(_matches(value, alternative) for alternative in schema), f"{where}: {value!r} is none of {schema}"
+    elif schema is float:
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), f"{where}: {value!r} is not a number"
+    else:
+        assert isinstance(value, schema) and (schema is bool or not isinstance(value, bool)), \
+            f"{where}: {value!r} is not {schema.__name__}"
+
+
+def _matches(value, alternative) -> bool:
+    if alternative is None:
+        return value is None
+    if isinstance(alternative, (type, dict)):
+        try:
+            check_schema(value, alternative)
+        except AssertionError:
+            return False
+        return True
+    return value == alternative
+
+
+def check_phases(phases: dict, components: list, kind) -> None:
+    assert set(phases) == {"import", *components, "to_device", "total", "first_use"}
+    for value in phases.values():
+        check_schema(value, kind)
+
+
+HOLDING = ({"pss_bytes": int, "used_bytes": int, "pss_ratio": float, "used_ratio": float,
+            "pss_before_bytes": int, "pss_after_bytes": int, "load_s": SUMMARY},)
+SCHEMA = {
+    "schema_version": (1,), "tool": ("overmind-bench",), "overmind_version": str, "created": str,
+    "command": [str], "wall_s": float,
+    "machine": {"cpus": int, "memory_bytes": int, "platform": str, "python": str,
+                "versions": {"torch": (str, None), "diffusers": (str, None), "transformers": (str, None)},
+                "cuda_device": (str, None)},
+    "settings": {"quick": bool, "scale": str, "device": str, "runs": int, "warm_runs": int, "modes": [str],
+                 "page_cache": [("warm", "cold")], "page_cache_method": (str, None), "memory_procs": int,
+                 "process_per": ("scenario", "run"), "cold_mode": ("background", "wait"), "cache_dir": str},
+    "startup": ({"bare_s": SUMMARY, "patched_s": SUMMARY, "added_s": float}, None),
+    "scenarios": [{"name": str, "title": str, "why": str, "status": ("ok", "skipped", "failed"),
+                   "reason": (str, None), "components": [str], "tensor_bytes": (int, None), "file_bytes": int,
+                   "warm_misses": int,
+                   "results": [{"mode": ("plain", "first", "cold", "warm"), "page_cache": ("warm", "cold"),
+                                "runs": [dict], "summary": dict, "x_plain": (float, int, None),
+                                "x_plain_with_first_use": (float, int, None)}]}],
+    "memory": [{"scenario": str, "procs": int, "tensor_bytes": (int, None), "status": ("ok", "failed"),
+                "reason": (str, None), "plain": HOLDING + (None,), "overmind": HOLDING + (None,)}],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_unet(tmp_path_factory) -> Path:
+    import torch
+
+    from overmind import modelgen
+
+    path = modelgen.save_unet(tmp_path_factory.mktemp("user-model") / "unet", "tiny", torch.float32, seed=3)
+    age_files(path)
+    return path
+
+
+@pytest.mark.slow
+def test_quick_run_covers_every_scenario_and_writes_the_documented_json(tmp_path, tiny_unet):
+    out = tmp_path / "bench.json"
+    plot = tmp_path / "bench.png"
+    want_plot = _has_matplotlib()
+    proc = bench("--quick", "--scale", "tiny", "--cache-dir", str(tmp_path / "cache"), "--json", str(out),
+                 "--scenarios", ",".join((*LOADS, "memory", "startup")), "--memory-cases", "controlnet",
+                 "--loader", "diffusers:UNet2DConditionModel", "--model", str(tiny_unet), "--dtype", "float16",
+                 *(["--plot", str(plot)] if want_plot else []))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    doc = json.loads(out.read_text())
+    check_schema(doc, SCHEMA)
+
+    assert doc["settings"]["quick"] and doc["settings"]["process_per"] == "run"
+    assert [s["name"] for s in doc["scenarios"]] == list(LOADS)
+    for scenario in doc["scenarios"]:
+        assert scenario["status"] == "ok", scenario["reason"]
+        assert scenario["warm_misses"] == 0, scenario["name"]  # every warm call was a hit
+        assert scenario["tensor_bytes"] > 0
+        assert [(r["mode"], r["page_cache"]) for r in scenario["results"]] == [
+            ("plain", "warm"), ("cold", "warm"), ("warm", "warm")]
+        for result in scenario["results"]:
+            check_phases(result["summary"], scenario["components"], SUMMARY)
+            for run in result["runs"]:
+                check_phases(run, scenario["components"], float)
+            assert result["summary"]["total"]["n"] == 1
+        assert scenario["results"][0]["x_plain"] == 1.0
+    custom = doc["scenarios"][-1]
+    assert custom["title"].startswith("diffusers:UNet2DConditionModel.from_pretrained(")
+    assert custom["components"] == ["load"]
+
+    [memory] = doc["memory"]
+    assert memory["status"] == "ok", memory["reason"]
+    assert memory["procs"] == 2 and memory["tensor_bytes"] > 0
+    assert doc["startup"]["bare_s"]["n"] == 5
+
+    # The table: one block per scenario, then memory and start-up.
+    for name in LOADS:
+        assert f"\n{name}: " in proc.stdout
+    assert "overmind warm" in proc.stdout and "\nmemory: 2 processes" in proc.stdout
+    assert "start-up: `import overmind.api" in proc.stdout
+    if want_plot:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The bench's own server is gone, and the user's default runtime dir was never used.
+    assert "private overmind-server pid" in proc.stderr
+
+
+def test_usage_errors_exit_2_and_say_what_is_wrong(tmp_path):
+    for args, message in [
+        (["--loader", "diffusers:DiffusionPipeline"], "--loader and --model go together"),
+        (["--scenarios", "controlnet,bogus"], "--scenarios: unknown bogus"),
+        (["--modes", "cold,warm"], "--modes must include plain"),
+        (["--runs", "0"], "--runs must be at least 1"),
+        (["--scenarios", "custom"], "--scenarios custom needs --loader and --model"),
+    ]:
+        proc = bench(*args, "--cache-dir", str(tmp_path))
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert message in proc.stderr, (args, proc.stderr)
+    assert not any(tmp_path.iterdir())  # nothing generated
+
+
+def test_device_cuda_runs_or_skips_cleanly(tmp_path):
+    import torch
+
+    out = tmp_path / "bench.json"
+    proc = bench("--scale", "tiny", "--scenarios", "lm", "--runs", "1", "--device", "cuda", "--cache-dir",
+                 str(tmp_path / "cache"), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [lm] = json.loads(out.read_text())["scenarios"]
+    if torch.cuda.is_available():
+        assert lm["status"] == "ok" and lm["results"][0]["summary"]["to_device"]["n"] == 1
+    else:
+        assert lm["status"] == "skipped" and "CUDA is not available" in lm["reason"]
+        assert "skipped: --device cuda: CUDA is not available" in proc.stderr
+        assert not (tmp_path / "cache").exists()  # nothing generated for a skipped scenario
+
+
+def test_single_file_checkpoint_loads_back_every_tensor_of_the_pipeline(tmp_path):
+    """modelgen Note [Writing an LDM checkpoint]: diffusers' own reader inverts our writer."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    from overmind import modelgen
+
+    folder = modelgen.save_sd_pipeline(tmp_path / "sd", "tiny", torch.float16, seed=7)
+    checkpoint = modelgen.save_sd_single_file(tmp_path / "sd.safetensors", folder)
+    loaded = StableDiffusionPipeline.from_single_file(str(checkpoint), config=str(folder), torch_dtype=torch.float16)
+    reference = StableDiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float16)
+    for name in ("unet", "vae", "text_encoder"):
+        got, want = getattr(loaded, name).state_dict(), getattr(reference, name).state_dict()
+        assert got.keys() == want.keys(), name
+        assert all(torch.equal(got[k], want[k]) for k in want), name
+
+
+def _resident_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache (mincore(2) over a read-only mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(v & 1 for v in vec)
+        finally:
+            libc.munmap(addr, size)
+
+
+def test_drop_page_cache_evicts_every_page_of_the_files(tmp_path):
+    from overmind.bench.harness import drop_page_cache
+
+    files = []
+    for i in range(2):
+        path = tmp_path / f"weights-{i}.bin"
+        path.write_bytes(os.urandom(4 << 20))
+        path.read_bytes()
+        files.append(path)
+    assert all(_resident_pages(p) > 0 for p in files)
+    assert drop_page_cache(files) == "posix_fadvise"
+    assert [_resident_pages(p) for p in files] == [0, 0]
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
