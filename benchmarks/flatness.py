@@ -1,11 +1,12 @@
 """Warm-load time against model size (issue 4): same tensor count, ~8x the bytes.
 
-    python benchmarks/flatness.py [--runs 5] [--json FILE]
+    python benchmarks/flatness.py [--runs 15] [--json FILE]
 
 Two Llama-style causal LMs in bf16 with the same layers, hence the same tensors, one
 with layers about three times wider (about 8x the bytes), saved into a temp folder.
 A private overmind-server caches both; then each is loaded warm in ``--runs`` fresh
-processes (libraries imported before the clock starts) and the medians are compared.
+processes (libraries imported before the clock starts), alternating between the two so
+that both see the same machine noise, and the medians are compared.
 A warm load maps the segments and builds one tensor per table entry without touching
 the bytes (Note [One mapping per load] in overmind.reductions), so it should not grow
 with the bytes.
@@ -49,7 +50,7 @@ def run(code: str, env: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
@@ -70,14 +71,17 @@ def main() -> int:
         try:
             if "ready" not in server.stdout.readline():
                 raise RuntimeError("overmind-server did not start")
+            first = {name: run(WARM.format(path=str(path)), {**env, "OVERMIND_COLD": "wait"})  # fills the cache
+                     for name, path in paths.items()}
+            warm: dict[str, list[float]] = {name: [] for name in paths}
+            for _ in range(args.runs):
+                for name, path in paths.items():
+                    warm[name].append(run(WARM.format(path=str(path)), {**env, "OVERMIND_STRICT": "1"})["seconds"])
             results = {}
-            for name, path in paths.items():
-                first = run(WARM.format(path=str(path)), {**env, "OVERMIND_COLD": "wait"})  # fills the cache
-                times = [run(WARM.format(path=str(path)), {**env, "OVERMIND_STRICT": "1"})["seconds"]
-                         for _ in range(args.runs)]
-                results[name] = {"tensors": first["tensors"], "bytes": first["bytes"],
+            for name, times in warm.items():
+                results[name] = {"tensors": first[name]["tensors"], "bytes": first[name]["bytes"],
                                  "warm_median": statistics.median(times), "warm_min": min(times), "warm_max": max(times)}
-                print(f"{name:7s} {first['tensors']:4d} tensors {first['bytes'] / 1e9:6.2f} GB   warm "
+                print(f"{name:7s} {first[name]['tensors']:4d} tensors {first[name]['bytes'] / 1e9:6.2f} GB   warm "
                       f"{results[name]['warm_median'] * 1e3:6.1f} ms (min {min(times) * 1e3:.1f}, "
                       f"max {max(times) * 1e3:.1f})", flush=True)
         finally:

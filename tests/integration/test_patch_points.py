@@ -141,3 +141,10 @@ def test_every_patch_point_round_trips_and_warm_loads_hit(server, paths):
         assert warm[name] == plain[name], (name, warm[name], plain[name])
     # the vae=vae pattern keeps identity, as a plain load does
     assert plain["controlnet_pipeline"][1:3] == [True, True]
+    # ... and the pipeline entry stores none of their bytes: they travel as references.
+    entries = json.loads(server.cli("list", "--json").stdout)
+    (pipeline,) = [e for e in entries if ":StableDiffusionControlNetPipeline.from_pretrained(" in e["description"]]
+    passed = {e["key"] for e in entries
+              if ":AutoencoderKL.from_pretrained(" in e["description"] or ":ControlNetModel.from_pretrained(" in e["description"]}
+    assert len(passed) == 3 and passed <= set(pipeline["meta"]["references"])
+    assert not passed & set(pipeline["refs"])
