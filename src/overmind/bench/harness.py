@@ -292,15 +292,21 @@ def tree_pss(pid: int) -> int:
     return total
 
 
-def used_memory() -> int:
+def used_memory(samples: int = 5, interval: float = 0.1) -> int:
     """The machine's used memory: MemTotal - MemAvailable (what the kernel cannot reclaim;
-    shared memory counts, page cache does not)."""
-    info = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            info[name] = int(rest.split()[0]) * 1024
-    return info["MemTotal"] - info["MemAvailable"]
+    shared memory counts, page cache does not). A median of a few samples: on a shared
+    machine other processes come and go between two readings."""
+    values = []
+    for i in range(samples):
+        if i:
+            time.sleep(interval)
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                info[name] = int(rest.split()[0]) * 1024
+        values.append(info["MemTotal"] - info["MemAvailable"])
+    return int(statistics.median(values))
 
 
 # -- start-up ---------------------------------------------------------------------------------

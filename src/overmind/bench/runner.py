@@ -223,9 +223,6 @@ class Runner:
             out["reason"] = "a holder fell back to a plain load: " + next(
                 ln for ln in text.splitlines() if FALLBACK_MARK in ln).strip()
             return out
-        for mode in ("plain", "overmind"):
-            for kind in ("pss", "used"):
-                out[mode][f"{kind}_ratio"] = out[mode][f"{kind}_bytes"] / out["tensor_bytes"]
         return out
 
     def start_holders(self, scenario: Scenario) -> list[Worker]:
@@ -259,8 +256,10 @@ class Runner:
             self.server.wait_idle()
         time.sleep(0.5)
         pss1, used1 = measure()
-        result = {"pss_bytes": pss1 - pss0, "used_bytes": used1 - used0, "pss_before_bytes": pss0,
-                  "pss_after_bytes": pss1, "load_s": _summary([r["phases"]["total"] for r in replies])}
+        nbytes = max(replies[0]["tensor_bytes"], 1)
+        result = {"pss_bytes": pss1 - pss0, "used_bytes": used1 - used0, "pss_ratio": (pss1 - pss0) / nbytes,
+                  "used_ratio": (used1 - used0) / nbytes, "pss_before_bytes": pss0, "pss_after_bytes": pss1,
+                  "load_s": _summary([r["phases"]["total"] for r in replies])}
         self.echo(f"memory {scenario.name:<13} {mode:<8} {len(workers)} holders: summed PSS "
                   f"{result['pss_bytes'] / 1e9:+.2f} GB, used memory {result['used_bytes'] / 1e9:+.2f} GB, "
                   f"{replies[0]['tensor_bytes'] / 1e9:.2f} GB of tensors")

@@ -48,7 +48,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(
         "pickle_bin", "AutoModelForCausalLM.from_pretrained of the LM saved as pytorch_model.bin",
         ("lm_bin",), ("model",), ("transformers:AutoModelForCausalLM", "transformers:LlamaForCausalLM"), 1,
-        why="a pickle checkpoint is read and copied, not mapped"),
+        why="a pickle (zip) checkpoint: transformers loads it with torch.load(mmap=True)"),
     Scenario(
         "single_file", "StableDiffusionPipeline.from_single_file of one LDM-layout checkpoint (config= a local "
         "folder), fp16", ("sd_single_file", "sd"), ("pipeline",),
