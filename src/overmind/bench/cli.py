@@ -192,7 +192,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         prestart = None
         if plan.quick and plan.memory_cases:
             runner.start_holders_early()  # they ask for it too
-        else:
+        elif plan.memory_cases or any(s.name not in plan.skipped for s in plan.scenarios):
             prestart = runner.prestart()
         try:
             runner.paths = M.ensure_models(cache_dir, plan.scale, needed, progress=not args.no_progress)
