@@ -210,6 +210,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if plan.startup:
             say(f"start-up: timing {plan.startup_repeats} bare and {plan.startup_repeats} patched interpreters")
             startup = startup_overhead(plan.startup_repeats)
+    except BenchError as err:  # the server failed under us; a scenario's failure is in its results
+        print(f"overmind-bench: {err}\nworker logs: {log_dir}\nserver log: {server.log()[-2000:]}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         say("interrupted")
         return 130

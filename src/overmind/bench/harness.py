@@ -69,9 +69,8 @@ class Worker:
         self.ready: dict = {}
 
     def wait_ready(self) -> dict:
-        if self.ready:
-            return self.ready
-        self.ready = self._read(READY_TIMEOUT)
+        if not self.ready:
+            self.ready = self._read(READY_TIMEOUT)
         if not self.ready.get("ready"):
             raise BenchError(f"worker {self.label} did not start: {self.ready.get('error')}\n{self.stderr_tail()}")
         return self.ready
@@ -104,8 +103,9 @@ class Worker:
                     self.proc.wait()
                     raise BenchError(f"worker {self.label} exited with status {self.proc.returncode}"
                                      f"{' (timed out)' if not timer.is_alive() else ''}\n{self.stderr_tail()}")
-                if line.startswith(REPLY_PREFIX):
-                    return json.loads(line[len(REPLY_PREFIX):])
+                at = line.find(REPLY_PREFIX)  # after whatever a library printed without a newline
+                if at >= 0:
+                    return json.loads(line[at + len(REPLY_PREFIX):])
         finally:
             timer.cancel()
 
@@ -292,21 +292,32 @@ def tree_pss(pid: int) -> int:
     return total
 
 
-def used_memory(samples: int = 5, interval: float = 0.1) -> int:
+def _used_now() -> int:
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            info[name] = int(rest.split()[0]) * 1024
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+def used_memory(settle: float = 10.0, interval: float = 0.2, window: int = 3, tolerance: int = 32 << 20) -> int:
     """The machine's used memory: MemTotal - MemAvailable (what the kernel cannot reclaim;
-    shared memory counts, page cache does not). A median of a few samples: on a shared
-    machine other processes come and go between two readings."""
-    values = []
-    for i in range(samples):
-        if i:
-            time.sleep(interval)
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                info[name] = int(rest.split()[0]) * 1024
-        values.append(info["MemTotal"] - info["MemAvailable"])
-    return int(statistics.median(values))
+    shared memory counts, page cache does not), once it has settled.
+
+    Freed memory reaches MemAvailable with a lag (seconds, on this VM, after processes let
+    go of gigabytes), and on a shared machine other processes come and go: wait until
+    ``window`` readings ``interval`` apart agree within ``tolerance``, at most ``settle``
+    seconds, and return their median."""
+    readings = [_used_now()]
+    deadline = time.monotonic() + settle
+    while time.monotonic() < deadline:
+        time.sleep(interval)
+        readings.append(_used_now())
+        last = readings[-window:]
+        if len(last) == window and max(last) - min(last) <= tolerance:
+            break
+    return int(statistics.median(readings[-window:]))
 
 
 # -- start-up ---------------------------------------------------------------------------------

@@ -94,13 +94,13 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
         elif entry is not None:
             item.update(status=entry["status"], reason=entry["reason"], tensor_bytes=entry["tensor_bytes"],
                         file_bytes=entry["file_bytes"], warm_misses=entry["warm_misses"])
+            with_use = {}  # (mode, page cache) -> median of total + first use
             for (mode, cache_state), runs in entry["runs"].items():
                 phases = [p for p in runs[0] if all(p in r for r in runs)]
-                for r in runs:
-                    r["total_with_first_use"] = r["total"] + r["first_use"]
-                summary = {p: _summary([r[p] for r in runs]) for p in [*phases, "total_with_first_use"]}
+                with_use[mode, cache_state] = statistics.median(r["total"] + r["first_use"] for r in runs)
                 item["results"].append({"mode": mode, "page_cache": cache_state,
-                                        "runs": [{p: r[p] for p in phases} for r in runs], "summary": summary,
+                                        "runs": [{p: r[p] for p in phases} for r in runs],
+                                        "summary": {p: _summary([r[p] for r in runs]) for p in phases},
                                         "x_plain": None, "x_plain_with_first_use": None})
             order = {m: i for i, m in enumerate(plan.modes)}
             item["results"].sort(key=lambda r: (plan.page_cache.index(r["page_cache"]), order[r["mode"]]))
@@ -109,10 +109,8 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
                             None)
                 if base is not None:
                     r["x_plain"] = r["summary"]["total"]["median"] / base["summary"]["total"]["median"]
-                    r["x_plain_with_first_use"] = (r["summary"]["total_with_first_use"]["median"]
-                                                   / base["summary"]["total_with_first_use"]["median"])
-            for r in item["results"]:
-                del r["summary"]["total_with_first_use"]
+                    r["x_plain_with_first_use"] = (with_use[r["mode"], r["page_cache"]]
+                                                   / with_use["plain", r["page_cache"]])
         scenarios.append(item)
     return {
         "schema_version": SCHEMA_VERSION,
