@@ -21,7 +21,7 @@ from overmind import protocol as P
 
 HELLO_FRAME = (
     b"OVMD"  # magic
-    b"\x01\x00"  # protocol version 1
+    b"\x02\x00"  # protocol version 2
     b"\x01\x00"  # type 1: Hello
     b"\x40\x00\x00\x00"  # json_len 64
     b"\x00\x00\x00\x00\x00\x00\x00\x00"  # blob_len 0
@@ -32,7 +32,7 @@ LOAD_FIELDS = (b'{"context":{"cwd":"/"},"description":"f(1)","key":"k1","lookup_
                b'"modules":["torch"],"refs":["r"],"target":"m:f","wait":false}')
 LOAD_FRAME = (
     b"OVMD"
-    b"\x01\x00"
+    b"\x02\x00"  # protocol version 2
     b"\x0a\x00"  # type 10: Load
     b"\x87\x00\x00\x00"  # json_len 135
     b"\x04\x00\x00\x00\x00\x00\x00\x00"  # blob_len 4 (the blob follows the frame, sent separately)
