@@ -195,7 +195,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         elif plan.memory_cases or any(s.name not in plan.skipped for s in plan.scenarios):
             prestart = runner.prestart()
         try:
-            runner.paths = M.ensure_models(cache_dir, plan.scale, needed, progress=not args.no_progress)
+            runner.paths = M.generate_in_child(cache_dir, plan.scale, needed, progress=not args.no_progress)
         except Exception as err:  # noqa: BLE001 -- whatever generation raised, say it and stop
             print(f"overmind-bench: generating models in {cache_dir} failed: {type(err).__name__}: {err}",
                   file=sys.stderr)

@@ -1,6 +1,7 @@
 """The benchmark's models: generated locally (random weights, no hub) into a reusable cache.
 
     paths = ensure_models(cache_dir, "small", ["sd", "controlnet_a", "lm"])   # {name: path}
+    python -m overmind.bench.models CACHE_DIR SCALE NAME...         # the same, in a child
 
 Every model lives in ``<cache>/<scale>/<folder>`` and is made once: generation writes into a
 temporary folder, backdates its files and renames it into place, so an interrupted run
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["SCALES", "MODELS", "Scale", "ModelSpec", "default_cache_dir", "ensure_models", "missing_models",
-           "model_files"]
+__all__ = ["SCALES", "MODELS", "Scale", "ModelSpec", "default_cache_dir", "ensure_models", "generate_in_child",
+           "missing_models", "model_files", "model_paths"]
 
 # Bumped when a model's recipe changes, so caches made by an older recipe are rebuilt.
 RECIPE = 1
@@ -148,20 +149,43 @@ def model_files(path: Path) -> list[Path]:
     return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
 
 
+def model_paths(cache_dir: Path, scale: str, names: Sequence[str]) -> dict[str, Path]:
+    """The path each loader is given (a folder, or the checkpoint file in it)."""
+    out = {}
+    for name in names:
+        folder = _folder(Path(cache_dir), scale, name)
+        out[name] = folder / MODELS[name].file if MODELS[name].file else folder
+    return out
+
+
 def ensure_models(cache_dir: Path, scale: str, names: Sequence[str], progress: bool = True) -> dict[str, Path]:
     """Generate whichever of ``names`` (and what they are made from) is not cached yet;
-    return the path each loader is given (a folder, or the checkpoint file)."""
+    return :func:`model_paths`."""
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; choose one of {', '.join(SCALES)}")
-    cache_dir = Path(cache_dir)
-    todo = missing_models(cache_dir, scale, names)
+    todo = missing_models(Path(cache_dir), scale, names)
     if todo:
-        _generate(cache_dir, scale, todo, progress)
-    paths = {}
-    for name in _with_dependencies(names):
-        folder = _folder(cache_dir, scale, name)
-        paths[name] = folder / MODELS[name].file if MODELS[name].file else folder
-    return {name: paths[name] for name in names}
+        _generate(Path(cache_dir), scale, todo, progress)
+    return model_paths(cache_dir, scale, names)
+
+
+def generate_in_child(cache_dir: Path, scale: str, names: Sequence[str], progress: bool = True) -> dict[str, Path]:
+    """:func:`ensure_models` in a child process (``python -m overmind.bench.models``).
+
+    The bench's own process then never imports torch and the model libraries: nothing it
+    measures needs them, and an interpreter holding them takes over a second to exit."""
+    import subprocess
+
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; choose one of {', '.join(SCALES)}")
+    if missing_models(Path(cache_dir), scale, names):
+        argv = [sys.executable, "-m", "overmind.bench.models", str(cache_dir), scale, *names]
+        proc = subprocess.run(argv + ([] if progress else ["--no-progress"]), stdout=subprocess.DEVNULL,
+                              stderr=None if progress else subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[1:4])} ... exited {proc.returncode}"
+                               + (f": {proc.stderr.strip()[-3000:]}" if proc.stderr else " (its error is above)"))
+    return model_paths(cache_dir, scale, names)
 
 
 def _generate(cache_dir: Path, scale: str, todo: list[str], progress: bool) -> None:
@@ -218,3 +242,24 @@ class _quiet_libraries:
             logging.enable_progress_bar()
         self._warnings.__exit__(*exc)
         return False
+
+
+def _main(argv: list[str]) -> int:
+    progress = "--no-progress" not in argv
+    cache_dir, scale, *names = [a for a in argv if a != "--no-progress"]
+    try:
+        ensure_models(Path(cache_dir), scale, names, progress=progress)
+    except Exception as err:  # noqa: BLE001 -- the parent shows it
+        import traceback
+
+        traceback.print_exc()
+        print(f"generating {', '.join(names)} in {cache_dir} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    status = _main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # skip tearing torch down: the parent only waits for the files
