@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.overmind-installed
 
-.PHONY: venv demo bench test test-fast clean
+.PHONY: venv demo test clean
 
 venv: $(STAMP)
 
