@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CACHE, warm_page_cache  # noqa: E402
 from server_loads import BenchServer, ensure_models  # noqa: E402
 
+from overmind.bench.harness import pss  # noqa: E402
+
 HOLD = """
 import sys, torch
 import overmind.api
@@ -52,14 +54,6 @@ for module in objects:
 print(nbytes, flush=True)
 sys.stdin.read()
 """
-
-
-def pss(pid: int) -> int:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def hold(code: str, case: str, env: dict, procs: int) -> tuple[int, int]:

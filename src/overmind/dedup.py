@@ -23,6 +23,8 @@ import mmap
 import os
 from typing import Callable, Optional
 
+import xxhash
+
 from overmind import protocol as P
 from overmind.memfd import Segment
 
@@ -67,8 +69,6 @@ class SegmentContents:
         return self._index
 
     def find(self, digest: bytes, nbytes: int) -> Optional[tuple[int, int]]:
-        import xxhash
-
         for holder, dev, ino, offset in self._load_index().get((digest, nbytes), ()):
             number = self._segment(holder, dev, ino)
             if number is None or (number, offset) in self._used:
