@@ -151,3 +151,25 @@ def test_controlnet_from_unet_references_the_unets_segments(server, models, tmp_
     assert controlnet["meta"]["deduplicated"] == result["copied"]
     assert controlnet["bytes_shared"] == unet_entry["bytes_shared"] == unet_entry["bytes"]
     assert last_json(server.run(code, env=env)) == result  # and a hit equals a plain build
+
+
+def test_equal_tensors_found_in_another_entry_stay_distinct(server, tmp_path):
+    import torch
+
+    big = torch.randn(BIG // 4)
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    for path in (a, b):
+        torch.save({"x": big, "twin": big.clone()}, path)
+    age_files(a, b)
+    code = f"""
+        import json, torch, overmind.api
+        overmind.api.monkey_patch_all()
+        torch.load({str(a)!r}, weights_only=True)
+        state = torch.load({str(b)!r}, weights_only=True)  # both of its tensors are found in a's entry
+        state["x"].mul_(0)
+        print(json.dumps({{"twin_kept": bool(state["twin"].abs().sum() > 0), "x_zero": bool((state["x"] == 0).all())}}))
+    """
+    result = last_json(server.run(code, env=server.client_env(OVERMIND_STRICT="1")))
+    assert result == {"twin_kept": True, "x_zero": True}
+    (second,) = [e for d, e in _entries(server).items() if "b.pt" in d]
+    assert second["meta"]["deduplicated"] == 2 * big.nbytes
