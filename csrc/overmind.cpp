@@ -89,30 +89,6 @@ py::object make_untyped_storage(py::handle buffer) {
   return py::reinterpret_steal<py::object>(THPStorage_Wrap(std::move(storage)));
 }
 
-// Copy `nbytes` from `src_ptr` into a writable buffer at `offset`, with the GIL
-// released so the other loader thread and the server socket keep moving.
-void copy_into_buffer(py::handle buffer, size_t offset, uintptr_t src_ptr, size_t nbytes) {
-  std::unique_ptr<Py_buffer, BufferDeleter> view(new Py_buffer());
-  if (PyObject_GetBuffer(buffer.ptr(), view.get(), PyBUF_SIMPLE | PyBUF_WRITABLE) != 0) {
-    view.release();
-    throw py::error_already_set();
-  }
-  if (offset > static_cast<size_t>(view->len) || nbytes > static_cast<size_t>(view->len) - offset) {
-    throw py::value_error(
-        "_copy_into_buffer: range [" + std::to_string(offset) + ", " +
-        std::to_string(offset + nbytes) + ") is outside a buffer of " +
-        std::to_string(view->len) + " bytes");
-  }
-  if (nbytes && src_ptr == 0) {
-    throw py::value_error("_copy_into_buffer: null source pointer");
-  }
-  char* dst = static_cast<char*>(view->buf) + offset;
-  {
-    py::gil_scoped_release no_gil;
-    std::memcpy(dst, reinterpret_cast<const void*>(src_ptr), nbytes);
-  }
-}
-
 // Build every plain tensor of a skeleton in one call (Note [Tensors as table entries]
 // in reductions.py). records: (storage index, torch.dtype, offset, size, stride,
 // requires_grad, parameter). set_ checks that each view fits its storage.
@@ -172,9 +148,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "overmind native helpers: zero-copy storages over shared memory";
   m.def("_make_untyped_storage", &make_untyped_storage, py::arg("buffer"),
         "Return a torch.UntypedStorage sharing `buffer`'s memory (no copy).");
-  m.def("_copy_into_buffer", &copy_into_buffer, py::arg("buffer"), py::arg("offset"),
-        py::arg("src_ptr"), py::arg("nbytes"),
-        "memcpy nbytes from src_ptr into buffer[offset:], GIL released.");
   m.def("_build_tensors", &build_tensors, py::arg("storages"), py::arg("records"),
         py::arg("parameter_type"), "Build skeleton tensors over their storages in one call.");
 }

@@ -105,7 +105,7 @@ _warned = False
 _warn_lock = threading.Lock()
 
 
-def _connection(config: "Config", timeout: float):
+def _connection(config: "Config"):
     from overmind.client import Connection
 
     global _spare
@@ -114,7 +114,7 @@ def _connection(config: "Config", timeout: float):
         with _spare_lock:
             conn, _spare = (_spare, None) if _spare is not None and _spare.config == config else (None, _spare)
         if conn is None:
-            conn = Connection.open(config, timeout=timeout)
+            conn = Connection.open(config)
         _local.conn = conn
     return conn
 
@@ -155,7 +155,7 @@ def _add_sys_path(paths: Iterable[str]) -> None:
 def _rebuild(conn, reply, skeleton: bytes, references: dict) -> Any:
     from overmind.reductions import unpack
 
-    _add_sys_path(reply.meta.get("sys_path_extra", []))
+    _add_sys_path(_meta(reply).sys_path_extra)
     mappings = conn.map_segments(reply)
     return unpack(skeleton, mappings, references=references)
 
@@ -177,11 +177,17 @@ def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] =
     if key in seen:
         return seen[key]
     reply, skeleton = conn.load(P.Load(key, "", "reference", {}, lookup_only=True), b"")
-    references = {k: fetch_entry(k, [conn], seen) for k in reply.meta.get("references", [])}
+    references = {k: fetch_entry(k, [conn], seen) for k in _meta(reply).references}
     obj = _rebuild(conn, reply, skeleton, references)
     seen[key] = obj
     _remember(obj, key)
     return obj
+
+
+def _meta(reply):
+    from overmind import protocol as P
+
+    return P.LoadMeta.from_wire(reply.meta)
 
 
 def _context() -> dict:
@@ -192,51 +198,77 @@ def _context() -> dict:
 
 
 def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
-    from overmind.calls import Uncacheable, encode_call
-    from overmind.config import Config
+    """Note [Never worse than no cache]: every step before the original runs is guarded, and
+    the original itself always runs outside the guard, so its own exceptions reach the caller
+    unchanged and it never runs twice."""
+    from overmind.config import Config, flag, patching_disabled
 
-    config = Config.from_env()
-    if config.disable:
+    if patching_disabled():
         return target.original(*args, **kwargs)
+    description = target.name
+    remember = None  # the key a plain result is filed under (a miss that the server is loading)
     try:
-        call = encode_call(target, args, kwargs, origin_of)
-    except Uncacheable as why:
-        logger.debug("not caching %s: %s", target.name, why)
-        return target.original(*args, **kwargs)
-    from overmind.client import CachePending
+        config = Config.from_env()
+        from overmind.calls import Uncacheable, encode_call
+        from overmind.client import CachePending
 
-    try:
-        obj = _fetch(config, target, call)
-    except CachePending as pending:  # a miss: load here while the server caches it
-        if not pending.loading:
-            _warn_once(f"the cache cannot load this call ({pending.reason})")
-            return target.original(*args, **kwargs)
-        obj = target.original(*args, **kwargs)
+        try:
+            call = encode_call(target, args, kwargs, origin_of)
+        except Uncacheable as why:
+            logger.debug("not caching %s: %s", target.name, why)
+            call = None
+        if call is not None:
+            description = call.description
+            try:
+                obj = _fetch(config, target, call)
+                _remember(obj, call.key)
+                return obj
+            except CachePending as pending:  # a miss: load here while the server caches it
+                if pending.loading:
+                    remember = call.key
+                else:
+                    _warn_once(f"the cache cannot load this call ({pending.reason})")
     except Exception as err:
         _drop_connection()
-        if config.strict:
-            raise OvermindError(f"overmind could not load {call.description}: {err}") from err
-        _warn_once(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} ({call.description})")
-        return target.original(*args, **kwargs)
-    _remember(obj, call.key)
+        if flag("OVERMIND_STRICT"):
+            raise OvermindError(f"overmind could not load {description}: {err}") from err
+        _warn_once(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} ({description})")
+    obj = target.original(*args, **kwargs)
+    if remember is not None:
+        _remember(obj, remember)
     return obj
 
 
 def _fetch(config: "Config", target: "Target", call) -> Any:
-    import time
-
     from overmind import protocol as P
 
-    deadline = time.monotonic() + config.timeout
-    conn = _connection(config, config.timeout)
     request = P.Load(call.key, target.name, call.description, _context(), call.refs, modules=target.modules,
                      wait=config.cold_wait)
-    reply, skeleton = conn.load(request, call.blob, timeout=max(0.1, deadline - time.monotonic()))
-    references = dict(call.ref_objects)
-    for key in reply.meta.get("references", []):
-        if key not in references:
-            references[key] = fetch_entry(key, [conn])
-    return _rebuild(conn, reply, skeleton, references)
+    retry = _retry_once_errors()
+    for attempt in (1, 2):
+        conn = _connection(config)
+        try:
+            reply, skeleton = conn.load(request, call.blob)
+            references = dict(call.ref_objects)
+            for key in _meta(reply).references:
+                if key not in references:
+                    references[key] = fetch_entry(key, [conn])
+            return _rebuild(conn, reply, skeleton, references)
+        except retry as err:
+            # A connection the server closed while idle, or an entry evicted between its reply and
+            # our open of its segments (Note [A segment is opened by identity] in overmind.client):
+            # ask again once, on a new connection.
+            _drop_connection()
+            if attempt == 2:
+                raise
+            logger.debug("retrying %s once: %s", call.description, err)
+    raise AssertionError("unreachable")
+
+
+def _retry_once_errors() -> tuple:
+    from overmind.client import SegmentChanged, StaleConnection
+
+    return (SegmentChanged, StaleConnection)
 
 
 def load(fn: Callable, *args, **kwargs) -> Any:
@@ -265,7 +297,7 @@ def _point_of(fn: Callable) -> tuple[str, str]:
 
 def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod: bool) -> Callable:
     global _warmed
-    if not _warmed and "torch" in sys.modules and _flag("OVERMIND_PRESTART", "1"):
+    if not _warmed and "torch" in sys.modules and _prestart_enabled():
         # torch just became importable: overlap our torch-side imports with the script's.
         _warmed = True
         threading.Thread(target=_warm_up, daemon=True, name="overmind-warm-up").start()
@@ -310,8 +342,10 @@ def _config_file_points(start: str) -> list[patching.PatchPoint]:
     return points
 
 
-def _flag(name: str, default: str = "") -> bool:
-    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+def _prestart_enabled() -> bool:
+    from overmind.config import prestart_enabled
+
+    return prestart_enabled()
 
 
 def monkey_patch_all(extra: Iterable[str] = ()) -> None:
@@ -319,18 +353,19 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
     Idempotent; imports none of the patched libraries (see the module docstring).
     """
-    # Plain environment reads: overmind.config (pathlib, dataclasses) would double the start-up cost.
-    if _flag("OVERMIND_DISABLE"):
+    from overmind.config import extra_patch_points, patching_disabled, prestart_enabled
+
+    if patching_disabled():
         return
     caller_file = sys._getframe(1).f_globals.get("__file__")
     start = os.path.dirname(os.path.realpath(caller_file)) if caller_file else os.getcwd()
     points = [patching.PatchPoint.parse(p) for p in DEFAULT_PATCH_POINTS]
     points += _config_file_points(start)
-    extra_env = os.environ.get("OVERMIND_PATCH", "")
+    extra_env = extra_patch_points()
     points += patching.parse_patch_specs(extra_env) if extra_env.strip() else []
     points += [patching.PatchPoint.parse(p) for p in extra]
     patching.patch(points, _make_wrapper)
-    if _flag("OVERMIND_PRESTART", "1"):
+    if prestart_enabled():
         threading.Thread(target=_prepare, daemon=True, name="overmind-prepare").start()
 
 
@@ -343,8 +378,8 @@ def _prepare() -> None:
         from overmind.config import Config
 
         config = Config.from_env()
-        conn = Connection.open(config, timeout=config.timeout)
-        conn.simple(P.Prepare(_context()), P.Ok)
+        conn = Connection.open(config)
+        conn.simple(P.Prepare(_context()), P.Ok, timeout=config.reply_timeout)
     except Exception as err:  # the first load reports problems; this is only a head start
         logger.debug("prestart failed: %s", err)
         return

@@ -19,19 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import time
 from typing import Callable, Optional
 
 from overmind import protocol as P
-from overmind.client import Connection, ServerUnavailable
-from overmind.config import Config, ConfigError
+from overmind.client import Connection, ServerUnavailable, server_holding
+from overmind.config import Config, ConfigError, read_runtime_file
 
 __all__ = ["main", "list_main", "shutdown_main", "human_bytes", "human_duration"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
 SHUTDOWN_WAIT = 15.0
+LIST_TIMEOUT = 30.0  # thousands of entries take a while to describe
+RECOVERY_WAIT = 2.0
 
 
 def human_bytes(n: float) -> str:
@@ -91,15 +94,26 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
              "loading"]
     names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n != "bytes")
     print(_table([(name, _format_value(name, info[name])) for name in names]))
-    entries = conn.simple(P.ListEntries(), P.EntryList).entries
+    entries = _entries(conn)
     if entries:
         print()
         _print_entries(entries)
     return EXIT_OK
 
 
+def _entries(conn: Connection) -> list[dict]:
+    reply, blob, fds = conn.request(P.ListEntries(), timeout=LIST_TIMEOUT)
+    for fd in fds:
+        os.close(fd)
+    P.expect(reply, P.EntryList, "for the entry list")
+    entries = json.loads(blob) if blob else []
+    if not isinstance(entries, list) or len(entries) != reply.count:
+        raise P.ProtocolError(f"entry list of {reply.count} entries arrived garbled")
+    return entries
+
+
 def cmd_list(conn: Connection, args: argparse.Namespace) -> int:
-    entries = conn.simple(P.ListEntries(), P.EntryList).entries
+    entries = _entries(conn)
     if args.json:
         print(json.dumps(entries, sort_keys=True))
     elif not entries:
@@ -124,7 +138,7 @@ def _print_entries(entries: list[dict]) -> None:
 
 def cmd_evict(conn: Connection, args: argparse.Namespace) -> int:
     # The listing only gives the evicted keys a description; eviction itself is one request.
-    described = {e.get("key"): e.get("description", "") for e in conn.simple(P.ListEntries(), P.EntryList).entries}
+    described = {e.get("key"): e.get("description", "") for e in _entries(conn)}
     evicted = conn.simple(P.Evict(key=args.key or "", all=args.all), P.Evicted).keys
     if not evicted and not args.all:
         print(f"overmind: no cached entry matches {args.key!r} (see `overmind list`)", file=sys.stderr)
@@ -172,6 +186,60 @@ def cmd_shutdown(conn: Connection, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _open(config: Config) -> Connection:
+    """Connect; a server that holds the runtime dir but lost its socket binds a new one within
+    a second (Note [A lost socket is replaced] in overmind.server), so give it that second."""
+    deadline = time.monotonic() + RECOVERY_WAIT
+    while True:
+        try:
+            return Connection.open(config, role="cli", autostart=False)
+        except ServerUnavailable:
+            if time.monotonic() > deadline or not server_holding(config):
+                raise
+            time.sleep(0.1)
+
+
+def _server_pid(config: Config) -> Optional[int]:
+    """The pid in ``server.pid`` if it is a live overmind-server of ours, else None."""
+    text = read_runtime_file(config.pid_path).strip()
+    if not text.isdigit():
+        return None
+    pid = int(text)
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().split(b"\0")
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return None
+    except OSError:
+        return None
+    return pid if any(b"overmind.server" in part or part.endswith(b"overmind-server") for part in cmdline) else None
+
+
+def _unreachable_server(config: Config, args: argparse.Namespace) -> int:
+    """A server holds the runtime dir but does not answer on its socket (stopped, hung, or its
+    socket file gone for good): name it, and let ``shutdown`` stop it by its pid."""
+    pid = _server_pid(config)
+    who = f"overmind-server pid {pid}" if pid else "an overmind-server"
+    if args.command != "shutdown":
+        print(f"overmind: {who} holds {config.runtime_dir} but does not answer on {config.socket_path}; "
+              "`overmind shutdown` stops it", file=sys.stderr)
+        return EXIT_FAILED
+    if pid is None:
+        print(f"overmind: {who} holds {config.runtime_dir} but its pid is unknown ({config.pid_path}); "
+              "stop it by hand", file=sys.stderr)
+        return EXIT_FAILED
+    for sig in (signal.SIGCONT, signal.SIGTERM):
+        os.kill(pid, sig)
+    deadline = time.monotonic() + SHUTDOWN_WAIT
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)  # the second signal the server would also take as "now"
+        print(f"overmind-server pid {pid} did not stop in {SHUTDOWN_WAIT:.0f}s; killed", file=sys.stderr)
+    print(f"overmind-server pid {pid} stopped (it was not answering on {config.socket_path})")
+    return EXIT_OK
+
+
 COMMANDS: dict[str, Callable[[Connection, argparse.Namespace], int]] = {
     "status": cmd_status, "list": cmd_list, "evict": cmd_evict, "shutdown": cmd_shutdown,
 }
@@ -208,8 +276,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"overmind: {err}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        conn = Connection.open(config, role="cli", autostart=False)
+        conn = _open(config)
     except ServerUnavailable as err:
+        if server_holding(config):
+            return _unreachable_server(config, args)
         if args.command == "shutdown" and not _accepting(str(config.socket_path)):
             print(f"overmind: no server running at {config.socket_path}; nothing to stop", file=sys.stderr)
             return EXIT_OK

@@ -5,8 +5,20 @@
         mappings = conn.map_segments(reply)
 
 Used by ``overmind.api`` (user processes), ``overmind.loader`` (to rebuild
-referenced entries) and ``overmind.cli``. Every socket operation is bounded by a
-timeout, so a frozen server costs at most ``OVERMIND_TIMEOUT``.
+referenced entries) and ``overmind.cli``. Every socket operation is bounded: connecting,
+the handshake and every answer by ``OVERMIND_REPLY_TIMEOUT`` (2 s), so a stopped or
+stuck server costs a caller about that; only a cold load the caller chose to wait for
+(``Pending.waiting``) waits up to ``OVERMIND_TIMEOUT``.
+
+Note [A segment is opened by identity]
+An ``Entry`` names each segment by the server's fd number, and fd numbers are reused the
+moment one is closed: if the entry is evicted between the server's reply and our open of
+``/proc/<server pid>/fd/<n>``, that number may already belong to another entry's segment,
+of the same size when two fine-tunes share an architecture. So the reply also carries each
+segment's (st_dev, st_ino), taken under the registry's lock, and every open by number is
+checked against it before mapping (``Segment.check``); a mismatch raises
+:class:`SegmentChanged` and the caller asks once more (by then a miss, or the new entry).
+Fds received over ``SCM_RIGHTS`` are checked the same way. DESIGN invariant 7.
 """
 
 from __future__ import annotations
@@ -24,19 +36,27 @@ from typing import Optional
 
 from overmind import __version__
 from overmind import protocol as P
-from overmind.config import Config, ensure_private_dir
+from overmind.config import Config, ensure_private_dir, open_runtime_file
 from overmind.memfd import Segment
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Connection", "ServerUnavailable", "CachePending", "start_server", "CONNECT_TIMEOUT"]
+__all__ = ["Connection", "ServerUnavailable", "CachePending", "SegmentChanged", "StaleConnection", "start_server",
+           "server_holding", "START_TIMEOUT"]
 
-CONNECT_TIMEOUT = 5.0
 START_TIMEOUT = 30.0
 
 
 class ServerUnavailable(ConnectionError):
     """No server could be reached or started."""
+
+
+class SegmentChanged(Exception):
+    """A segment opened by number is not the one the reply named: Note [A segment is opened by identity]."""
+
+
+class StaleConnection(ConnectionError):
+    """A reused connection turned out closed (the server dropped it while idle, or restarted)."""
 
 
 class CachePending(Exception):
@@ -60,11 +80,42 @@ def _connect(path: str, timeout: float) -> socket.socket:
     return sock
 
 
+def server_holding(config: Config) -> bool:
+    """Does a live server hold this runtime dir (Note [One server per runtime directory] in
+    overmind.server), whether or not its socket can be reached?"""
+    try:
+        fd = open_runtime_file(config.instance_lock_path, os.O_RDONLY)
+    except Exception:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _wait_for_socket(config: Config, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _connect(str(config.socket_path), timeout).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
 def start_server(config: Config, timeout: float = START_TIMEOUT) -> None:
     """Start ``overmind-server --daemon`` unless one is up. Racing clients: the first starts it
-    (under an flock), the others wait on the lock and then find it listening."""
+    (under an flock), the others wait on the lock and then find it listening. A server that
+    runs but whose socket is gone is waited for (it binds a new one, Note [A lost socket is
+    replaced]), never doubled."""
     ensure_private_dir(config.runtime_dir)
-    with open(config.lock_path, "a+") as lock:
+    lock = open_runtime_file(config.lock_path)
+    try:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -77,10 +128,15 @@ def start_server(config: Config, timeout: float = START_TIMEOUT) -> None:
                 time.sleep(0.02)
         try:
             try:
-                _connect(str(config.socket_path), CONNECT_TIMEOUT).close()
+                _connect(str(config.socket_path), config.reply_timeout).close()
                 return  # someone else started it while we waited
             except OSError:
                 pass
+            if server_holding(config):
+                if _wait_for_socket(config, config.reply_timeout):
+                    return
+                raise ServerUnavailable(f"an overmind-server holds {config.runtime_dir} but does not answer on "
+                                        f"{config.socket_path}; see {config.log_path} or run `overmind shutdown`")
             import subprocess
 
             env = dict(os.environ, OVERMIND_RUNTIME_DIR=str(config.runtime_dir))
@@ -97,6 +153,8 @@ def start_server(config: Config, timeout: float = START_TIMEOUT) -> None:
                                         + "".join(f"\n{line}" for line in lines[-20:-1]))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+    finally:
+        os.close(lock)
 
 
 class Connection:
@@ -108,12 +166,12 @@ class Connection:
         self.server_version = welcome.server_version
         self.config = config
         self.lock = threading.Lock()
+        self.used = False  # answered a request already: a failure now may just mean it went stale
 
     @classmethod
-    def open(cls, config: Config, role: str = "client", autostart: Optional[bool] = None,
-             timeout: Optional[float] = None) -> "Connection":
+    def open(cls, config: Config, role: str = "client", autostart: Optional[bool] = None) -> "Connection":
         autostart = config.autostart if autostart is None else autostart
-        connect_timeout = min(CONNECT_TIMEOUT, timeout or CONNECT_TIMEOUT)
+        connect_timeout = config.reply_timeout
         try:
             sock = _connect(str(config.socket_path), connect_timeout)
         except (FileNotFoundError, ConnectionRefusedError) as err:
@@ -133,12 +191,16 @@ class Connection:
                                         f"not as you (uid {os.getuid()}); use a private OVERMIND_RUNTIME_DIR")
             sock.settimeout(connect_timeout)
             P.send_message(sock, P.Hello(P.PROTOCOL_VERSION, os.getpid(), role, __version__))
-            message, _, fds = P.recv_message(sock, max_blob=0)
+            message, _, fds = P.recv_message(sock, max_blob=0, frame_timeout=connect_timeout)
             for fd in fds:
                 os.close(fd)
             welcome = P.expect(message, P.Welcome, "in the handshake")
             if welcome.uid != os.getuid():
                 raise ServerUnavailable(f"the server at {config.socket_path} runs as uid {welcome.uid}, not as you")
+        except socket.timeout:
+            sock.close()
+            raise ServerUnavailable(f"the server at {config.socket_path} did not answer the handshake within "
+                                    f"{connect_timeout:g}s (stopped or overloaded?)") from None
         except BaseException:
             sock.close()
             raise
@@ -155,13 +217,34 @@ class Connection:
 
     def request(self, message: P.Message, blob: bytes = b"", timeout: Optional[float] = None
                 ) -> tuple[P.Message, bytes, list[int]]:
+        """Send ``message`` and read the answer, each bounded by ``timeout`` (default: the reply bound)."""
         with self.lock:
-            self.sock.settimeout(timeout if timeout is not None else self.config.timeout)
-            P.send_message(self.sock, message, blob)
-            return P.recv_message(self.sock)
+            timeout = timeout if timeout is not None else self.config.reply_timeout
+            self.sock.settimeout(timeout)
+            try:
+                P.send_message(self.sock, message, blob)
+                answer = P.recv_message(self.sock, frame_timeout=timeout)
+            except (BrokenPipeError, ConnectionResetError, EOFError) as err:
+                if self.used:
+                    raise StaleConnection(f"the server closed this connection ({type(err).__name__})") from None
+                raise
+            except socket.timeout:
+                raise TimeoutError(f"overmind-server did not answer within {timeout:g}s") from None
+            self.used = True
+            return answer
 
-    def load(self, request: P.Load, blob: bytes, timeout: Optional[float] = None) -> tuple[P.Entry, bytes]:
-        message, skeleton, fds = self.request(request, blob, timeout)
+    def load(self, request: P.Load, blob: bytes) -> tuple[P.Entry, bytes]:
+        """An entry, or CachePending. The answer comes within the reply bound; a request that
+        waits for a cold load then waits up to ``OVERMIND_TIMEOUT`` for the entry."""
+        message, skeleton, fds = self.request(request, blob)
+        if isinstance(message, P.Pending) and message.waiting:
+            with self.lock:
+                self.sock.settimeout(self.config.timeout)
+                try:
+                    message, skeleton, fds = P.recv_message(self.sock, frame_timeout=self.config.timeout)
+                except socket.timeout:
+                    raise TimeoutError(f"the cache did not load {request.key} within "
+                                       f"OVERMIND_TIMEOUT={self.config.timeout:g}s") from None
         for fd in fds:
             os.close(fd)
         if isinstance(message, P.Pending):
@@ -169,36 +252,53 @@ class Connection:
         return P.expect(message, P.Entry, "for a load"), skeleton
 
     def map_segments(self, entry: P.Entry) -> list[Optional[mmap.mmap]]:
-        """Map every segment of ``entry`` MAP_PRIVATE; our fds are closed once mapped."""
-        slots = entry.segments
+        """Map every segment of ``entry`` MAP_PRIVATE; our fds are closed once mapped.
+        Each is checked to be the segment the reply named: Note [A segment is opened by identity]."""
+        slots = _slot_handles(entry)
         mappings: list[Optional[mmap.mmap]] = [None] * len(slots)
         try:
             for i, slot in enumerate(slots):
                 if slot is None:
                     continue
-                with Segment.open_proc(self.server_pid, slot[0], slot[1], f"{entry.key[:12]}.{i}") as seg:
+                fd, size, dev, ino = slot
+                with Segment.open_proc(self.server_pid, fd, size, f"{entry.key[:12]}.{i}", identity=(dev, ino)) as seg:
                     mappings[i] = seg.map_private()
             return mappings
         except (PermissionError, FileNotFoundError) as err:
             # /proc/<pid>/fd refused (another PID namespace, a non-dumpable server): SCM_RIGHTS.
             logger.debug("opening segments through /proc failed (%s); asking for the fds", err)
-            for m in mappings:
-                if m is not None:
-                    m.close()
-            return self._map_received(entry)
+            _close_all(mappings)
+            return self._map_received(entry, slots)
+        except Segment.Mismatch as err:
+            _close_all(mappings)
+            raise SegmentChanged(f"entry {entry.key[:16]} changed while we opened it: {err}") from None
+        except BaseException:
+            _close_all(mappings)
+            raise
 
-    def _map_received(self, entry: P.Entry) -> list[Optional[mmap.mmap]]:
+    def _map_received(self, entry: P.Entry, slots: Optional[list] = None) -> list[Optional[mmap.mmap]]:
+        slots = _slot_handles(entry) if slots is None else slots
         message, _, fds = self.request(P.GetFds(entry.key))
+        mappings: list[Optional[mmap.mmap]] = [None] * len(slots)
         try:
+            if isinstance(message, P.Error) and message.code == P.ErrorCode.NOT_FOUND:
+                raise SegmentChanged(f"entry {entry.key[:16]} was evicted before its segments reached us")
             reply = P.expect(message, P.Fds, "for segment fds")
-            live = [i for i, slot in enumerate(entry.segments) if slot is not None]
-            if len(fds) != len(live) or reply.sizes != [entry.segments[i][1] for i in live]:
-                raise P.ProtocolError(f"expected {len(live)} segment fds, got {len(fds)}")
-            mappings: list[Optional[mmap.mmap]] = [None] * len(entry.segments)
+            live = [i for i, slot in enumerate(slots) if slot is not None]
+            if len(fds) != len(live) or reply.sizes != [slots[i][1] for i in live]:
+                raise SegmentChanged(f"entry {entry.key[:16]} changed: expected {len(live)} segment fds, got {len(fds)}")
             for i, fd in zip(live, fds):
-                seg = Segment.from_fd(fd, entry.segments[i][1], f"{entry.key[:12]}.{i}")
+                _, size, dev, ino = slots[i]
+                seg = Segment(fd, size, f"{entry.key[:12]}.{i}")
+                seg.check(size, identity=(dev, ino))
                 mappings[i] = seg.map_private()
             return mappings
+        except Segment.Mismatch as err:
+            _close_all(mappings)
+            raise SegmentChanged(f"entry {entry.key[:16]} changed while we opened it: {err}") from None
+        except BaseException:
+            _close_all(mappings)
+            raise
         finally:
             for fd in fds:
                 try:
@@ -207,8 +307,24 @@ class Connection:
                     if err.errno != errno.EBADF:
                         raise
 
-    def simple(self, message: P.Message, expected: type, timeout: float = CONNECT_TIMEOUT) -> P.Message:
+    def simple(self, message: P.Message, expected: type, timeout: Optional[float] = None) -> P.Message:
         reply, _, fds = self.request(message, timeout=timeout)
         for fd in fds:
             os.close(fd)
         return P.expect(reply, expected)
+
+
+def _slot_handles(entry: P.Entry) -> list:
+    """The reply's ``[fd, size, st_dev, st_ino]`` per slot, validated (a garbled reply is a ProtocolError)."""
+    slots = entry.segments
+    for slot in slots:
+        if slot is not None and not (isinstance(slot, list) and len(slot) == 4
+                                     and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in slot)):
+            raise P.ProtocolError(f"malformed segment handle {str(slot)[:80]} in the entry for {entry.key[:16]}")
+    return slots
+
+
+def _close_all(mappings: list) -> None:
+    for m in mappings:
+        if m is not None:
+            m.close()

@@ -12,8 +12,11 @@ Standard library only (the server imports it)::
                            user owns it or others can enter it.
 ``OVERMIND_DISABLE``       ``1``: ``monkey_patch_all()`` patches nothing.
 ``OVERMIND_STRICT``        ``1``: raise instead of falling back to a plain load.
-``OVERMIND_TIMEOUT``       seconds a client waits for the server, cold loads included
-                           (default 300); past it, the plain load runs.
+``OVERMIND_TIMEOUT``       seconds a client waits for a cold load it chose to wait for
+                           (``OVERMIND_COLD=wait``; default 300); past it, the plain load runs.
+``OVERMIND_REPLY_TIMEOUT`` seconds for every other answer of the server: connecting, the
+                           handshake, a hit or a miss (default 2); a stopped or stuck
+                           server costs at most this before the plain load runs.
 ``OVERMIND_COLD``          ``background`` (default): on a miss the caller loads plainly while
                            the server fills the cache; ``wait``: the caller waits for the
                            cache (always so with ``OVERMIND_STRICT=1``).
@@ -26,18 +29,24 @@ Standard library only (the server imports it)::
 ``OVERMIND_MAX_MEMORY``    server memory budget: ``40G``, ``512M``, ``60%`` of RAM or bytes
                            (default 50% of RAM); least recently used entries are evicted.
 ``OVERMIND_LOG_LEVEL``     server log level (default INFO).
+``OVERMIND_NO_EXT``        ``1``: install and run without the compiled ``overmind._C``
+                           (read by ``setup.py`` and ``overmind.native``).
 =========================  =========================================================
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Optional
 
-__all__ = ["Config", "ConfigError", "default_runtime_dir", "ensure_private_dir", "ENV_PREFIXES", "ENV_NAMES"]
+__all__ = ["Config", "ConfigError", "default_runtime_dir", "ensure_private_dir", "open_runtime_file",
+           "write_runtime_file", "read_runtime_file", "patching_disabled", "prestart_enabled",
+           "extra_patch_points", "ENV_PREFIXES", "ENV_NAMES"]
 
 # Environment a loader inherits from the client (and that selects its zygote).
 ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "CUDA_", "NVIDIA_", "TORCH_", "PYTORCH_",
@@ -53,6 +62,11 @@ class ConfigError(ValueError):
 
 def _flag(env, name: str) -> bool:
     return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def flag(name: str, env=None) -> bool:
+    """A yes/no ``OVERMIND_*`` setting read straight from the environment (``1``, ``true``, ``yes``, ``on``)."""
+    return _flag(os.environ if env is None else env, name)
 
 
 def _number(env, name: str, default: float, minimum: float = 0.0) -> float:
@@ -81,6 +95,8 @@ def _size(env, name: str) -> Optional[int]:
 
 
 def default_runtime_dir(env=None) -> Path:
+    from pathlib import Path
+
     env = os.environ if env is None else env
     if env.get("OVERMIND_RUNTIME_DIR"):
         return Path(env["OVERMIND_RUNTIME_DIR"]).absolute()
@@ -90,9 +106,18 @@ def default_runtime_dir(env=None) -> Path:
 
 
 def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` 0700, or check an existing one is ours and private (DESIGN invariant 5)."""
+    """Create ``path`` 0700, or check that an existing one is ours and private (DESIGN invariant 5).
+
+    An existing directory that others can enter is refused, never chmod-ed: it may be a
+    shared one (``/tmp``, a group's folder) whose mode others rely on, and files already in
+    it may have been planted. See Note [Runtime files are opened, never followed].
+    """
+    created = False
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True)
+        created = True
+    except FileExistsError:
+        pass
     except OSError as err:
         raise ConfigError(f"cannot create runtime directory {path}: {err.strerror}") from None
     st = os.lstat(path)
@@ -102,39 +127,133 @@ def ensure_private_dir(path: Path) -> Path:
         raise ConfigError(f"runtime directory {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
                           "set OVERMIND_RUNTIME_DIR to a private directory")
     if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+        if created:  # mkdir's mode met a strange umask; the directory is new and empty, so ours to fix
+            os.chmod(path, 0o700)
+        else:
+            raise ConfigError(f"runtime directory {path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+                              f"overmind needs a private one: `chmod 700 {path}` if it is yours alone, or set "
+                              "OVERMIND_RUNTIME_DIR to a new path")
     return path
 
 
-@dataclass(frozen=True)
+def open_runtime_file(path: Path, flags: int = os.O_RDWR, mode: int = 0o600) -> int:
+    """Open (creating) a file of the runtime directory; returns an fd. Refuses anything but a
+    regular file of ours: Note [Runtime files are opened, never followed].
+
+    Note [Runtime files are opened, never followed]
+    The runtime directory is checked private before use, but files in it may predate the
+    check or come from another tool. Every file the server or a client creates there is
+    opened with ``O_NOFOLLOW`` (a planted symlink is refused, never written through),
+    ``O_NONBLOCK`` (a planted FIFO cannot hang the open) and checked with ``fstat`` to be
+    a regular file owned by us. ``server.pid`` is written to a fresh file and renamed over
+    the old name, which replaces whatever was there instead of following it.
+    """
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ConfigError(f"cannot open {path}: it is a symlink; remove it") from None
+        try:
+            odd = not stat.S_ISREG(os.lstat(path).st_mode)
+        except OSError:
+            odd = False
+        raise ConfigError(f"cannot open {path}: " + ("it is not a regular file; remove it" if odd else err.strerror)
+                          ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise ConfigError(f"{path} is not a regular file of yours; remove it")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def write_runtime_file(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically, without following what is there now."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+
+
+def read_runtime_file(path: Path, limit: int = 4096) -> str:
+    """The text of a small runtime file, or "" if it is missing or not a regular file of ours."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return ""
+        return os.read(fd, limit).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
 class Config:
+    """Every setting, read once. Frozen; compares by value. A plain class, not a dataclass:
+    ``monkey_patch_all()`` imports this module, and dataclasses + pathlib would double its cost."""
+
+    __slots__ = ("runtime_dir", "disable", "strict", "timeout", "reply_timeout", "loader_timeout", "workers",
+                 "autostart", "cold_wait", "log_level", "max_memory")
+    _DEFAULTS = {"disable": False, "strict": False, "timeout": 300.0, "reply_timeout": 2.0, "loader_timeout": 3600.0,
+                 "workers": 2, "autostart": True, "cold_wait": False, "log_level": "INFO", "max_memory": None}
+
     runtime_dir: Path
-    disable: bool = False
-    strict: bool = False
-    timeout: float = 300.0
-    patch: str = ""
-    loader_timeout: float = 3600.0
-    workers: int = 2
-    autostart: bool = True
-    prestart: bool = True
-    cold_wait: bool = False
-    log_level: str = "INFO"
-    max_memory: Optional[int] = None  # bytes; None: overmind.registry.default_budget()
+    disable: bool
+    strict: bool
+    timeout: float  # a cold load the caller chose to wait for (OVERMIND_COLD=wait)
+    reply_timeout: float  # every other answer: connect, handshake, hit or miss
+    loader_timeout: float
+    workers: int
+    autostart: bool
+    cold_wait: bool
+    log_level: str
+    max_memory: Optional[int]  # bytes; None: overmind.registry.default_budget()
+
+    def __init__(self, runtime_dir: Path, **values) -> None:
+        unknown = set(values) - set(self._DEFAULTS)
+        if unknown:
+            raise TypeError(f"Config has no setting {sorted(unknown)}")
+        object.__setattr__(self, "runtime_dir", runtime_dir)
+        for name, default in self._DEFAULTS.items():
+            object.__setattr__(self, name, values.get(name, default))
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"Config is frozen; cannot set {name}")
+
+    def _values(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Config and other._values() == self._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        return "Config(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__) + ")"
 
     @classmethod
     def from_env(cls, env=None) -> "Config":
         env = os.environ if env is None else env
         return cls(
             runtime_dir=default_runtime_dir(env),
-            disable=_flag(env, "OVERMIND_DISABLE"),
+            disable=patching_disabled(env),
             strict=_flag(env, "OVERMIND_STRICT"),
             timeout=_number(env, "OVERMIND_TIMEOUT", 300.0, 0.1),
-            patch=env.get("OVERMIND_PATCH", ""),
+            reply_timeout=_number(env, "OVERMIND_REPLY_TIMEOUT", 2.0, 0.1),
             loader_timeout=_number(env, "OVERMIND_LOADER_TIMEOUT", 3600.0, 1.0),
             workers=int(_number(env, "OVERMIND_WORKERS", 2, 1)),
             autostart=not _flag(env, "OVERMIND_NO_AUTOSTART"),
             cold_wait=env.get("OVERMIND_COLD", "background").strip().lower() == "wait" or _flag(env, "OVERMIND_STRICT"),
-            prestart=env.get("OVERMIND_PRESTART", "1").strip().lower() not in ("0", "false", "no", "off"),
             log_level=env.get("OVERMIND_LOG_LEVEL", "INFO").upper(),
             max_memory=_size(env, "OVERMIND_MAX_MEMORY"),
         )
@@ -153,4 +272,29 @@ class Config:
 
     @property
     def lock_path(self) -> Path:
+        """Held by a client while it starts a server (racing clients start one)."""
         return self.runtime_dir / "server.lock"
+
+    @property
+    def instance_lock_path(self) -> Path:
+        """Held by the running server for its whole life: Note [One server per runtime directory]."""
+        return self.runtime_dir / "server.instance.lock"
+
+
+# -- settings read before any Config exists: monkey_patch_all() reads them on every start-up --------
+
+
+def patching_disabled(env=None) -> bool:
+    """``OVERMIND_DISABLE``."""
+    return _flag(os.environ if env is None else env, "OVERMIND_DISABLE")
+
+
+def prestart_enabled(env=None) -> bool:
+    """``OVERMIND_PRESTART`` (default on)."""
+    raw = (os.environ if env is None else env).get("OVERMIND_PRESTART", "1")
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def extra_patch_points(env=None) -> str:
+    """``OVERMIND_PATCH``: extra patch points, ``module::Qualname.attr``, comma separated."""
+    return (os.environ if env is None else env).get("OVERMIND_PATCH", "")

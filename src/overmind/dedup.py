@@ -104,7 +104,8 @@ class SegmentContents:
                 for fd, size in zip(fds, message.sizes):
                     st = os.fstat(fd)
                     if (st.st_dev, st.st_ino) == (dev, ino) and chosen is None:
-                        segment = Segment.from_fd(fd, size, f"{key[:12]}.shared")  # refuses unsealed memory
+                        # refuses unsealed memory and any other inode: DESIGN invariant 7
+                        segment = Segment.from_fd(fd, size, f"{key[:12]}.shared", identity=(dev, ino))
                         chosen = (fd, size, segment.map_private())
         except (OSError, ValueError) as err:
             logger.warning("segment of %s refused: %s", key[:16], err)

@@ -192,17 +192,17 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         fds = [packed.segments[i].fd for i in slots] + store.fds
         sizes = [packed.segments[i].size for i in slots] + store.sizes
         slots += [len(packed.segments) + i for i in range(len(store.fds))]
-        meta = {
-            "type": f"{type(result).__module__}.{type(result).__qualname__}",
-            "pickler": packed.pickler, "storages": packed.storages, "tensors": packed.tensors,
-            "original_seconds": loaded - started, "pack_seconds": time.monotonic() - loaded,
-            "sys_path_extra": quirks.dynamic_module_paths(),
-            "references": sorted(set(references.values())),
-            "files": files,  # Note [Observed files]
-            "deduplicated": packed.deduplicated,
+        meta = P.LoadMeta(
+            type=f"{type(result).__module__}.{type(result).__qualname__}",
+            pickler=packed.pickler, storages=packed.storages, tensors=packed.tensors,
+            original_seconds=loaded - started, pack_seconds=time.monotonic() - loaded,
+            sys_path_extra=quirks.dynamic_module_paths(),
+            references=sorted(set(references.values())),
+            files=files,  # Note [Observed files]
+            deduplicated=packed.deduplicated,
             # Note [Content index] in overmind.registry; bounded to stay within protocol.MAX_JSON.
-            "contents": packed.contents if len(packed.contents) <= MAX_CONTENTS else [],
-        }
+            contents=packed.contents if len(packed.contents) <= MAX_CONTENTS else [],
+        ).to_dict()
         P.send_message(job_sock, P.JobResult(job.key, sizes, slots, len(packed.segments) + len(store.fds),
                                              packed.nbytes, store.holders, meta),
                        packed.skeleton, fds=fds)

@@ -28,10 +28,9 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 from overmind import protocol as P
-from overmind.config import ENV_NAMES, ENV_PREFIXES, Config
+from overmind.config import ENV_NAMES, ENV_PREFIXES, Config, open_runtime_file
 
 logger = logging.getLogger("overmind.server.loaders")
 
@@ -91,7 +90,7 @@ class Zygote:
         env["OVERMIND_RUNTIME_DIR"] = str(config.runtime_dir)
         code = (f"import sys; sys.path[:] = {list(context.sys_path)!r}; "
                 f"from overmind.loader import zygote_main; zygote_main({theirs.fileno()})")
-        log = open(config.log_path, "ab")
+        log = os.fdopen(open_runtime_file(config.log_path, os.O_WRONLY | os.O_APPEND), "ab")
         try:
             self.proc = subprocess.Popen(
                 [context.python, "-c", code], cwd=context.cwd, env=env, pass_fds=[theirs.fileno()],
@@ -122,13 +121,13 @@ class Zygote:
         self.ready = True
         logger.info("zygote %d ready (imported %s)", self.proc.pid, ", ".join(self.imported) or "nothing")
 
-    def start_job(self, key: str, blob: bytes, modules: list, socket_path: Path) -> tuple[socket.socket, int]:
+    def start_job(self, key: str, blob: bytes, modules: list) -> tuple[socket.socket, int]:
         with self.lock:
             if not self.ready:
                 self._wait_ready()
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                P.send_message(self.sock, P.Job(key, list(self.context.sys_path), str(socket_path), modules), blob,
+                P.send_message(self.sock, P.Job(key, list(self.context.sys_path), modules=modules), blob,
                                fds=[theirs.fileno()])
             finally:
                 theirs.close()
@@ -191,13 +190,13 @@ class LoaderPool:
                 del self.zygotes[zygote.context.key]
         zygote.close()
 
-    def run(self, key: str, context: Context, blob: bytes, socket_path: Path, modules: list = ()
+    def run(self, key: str, context: Context, blob: bytes, modules: list = ()
             ) -> tuple[P.JobResult, bytes, list[int]]:
         """Run one load; returns (result, skeleton, segment fds) or raises LoadFailure."""
         for attempt in (1, 2):
             zygote = self._zygote(context)
             try:
-                job, pid = zygote.start_job(key, blob, list(modules), socket_path)
+                job, pid = zygote.start_job(key, blob, list(modules))
                 break
             except (OSError, EOFError, P.ProtocolError, P.RemoteError) as err:
                 logger.warning("zygote %d failed to start job %s: %s", zygote.proc.pid, key[:16], err)

@@ -35,6 +35,7 @@ import fcntl
 import mmap
 import os
 import stat
+from typing import Optional
 
 __all__ = ["Segment", "SEAL_ALL", "ALIGNMENT", "align_up", "buffer_at"]
 
@@ -62,6 +63,9 @@ def _oserror(err: OSError, what: str, name: str, hint: str) -> OSError:
 
 class Segment:
     """One memfd. Owns ``fd`` until ``close()``; mappings it returns own themselves."""
+
+    class Mismatch(ValueError):
+        """The fd is not the segment it was named as (another inode): DESIGN invariant 7."""
 
     def __init__(self, fd: int, size: int, name: str = "overmind") -> None:
         if fd < 0:
@@ -124,11 +128,14 @@ class Segment:
     # -- opening (client side) --------------------------------------------------
 
     @classmethod
-    def open_proc(cls, pid: int, fd: int, size: int, name: str = "overmind") -> "Segment":
+    def open_proc(cls, pid: int, fd: int, size: int, name: str = "overmind",
+                  identity: Optional[tuple[int, int]] = None) -> "Segment":
         """Reopen another process's memfd through ``/proc/<pid>/fd/<fd>``.
 
         Raises PermissionError when the kernel refuses (other PID namespace, a
         non-dumpable owner); callers then ask for the fd over the socket instead.
+        ``identity``: the (st_dev, st_ino) the segment must have; fd numbers are reused, so
+        whoever opens by number passes it (:class:`Segment.Mismatch` otherwise).
         """
         path = f"/proc/{int(pid)}/fd/{int(fd)}"
         try:
@@ -139,22 +146,28 @@ class Segment:
                             "Falling back to SCM_RIGHTS is expected here.") from None
         seg = cls(local, size, name)
         try:
-            seg.check(size)
+            seg.check(size, identity)
         except Exception:
             seg.close()
             raise
         return seg
 
     @classmethod
-    def from_fd(cls, fd: int, size: int, name: str = "overmind") -> "Segment":
-        """Adopt an fd received over a Unix socket (SCM_RIGHTS); checks it is a sealed segment."""
+    def from_fd(cls, fd: int, size: int, name: str = "overmind",
+                identity: Optional[tuple[int, int]] = None) -> "Segment":
+        """Adopt an fd received over a Unix socket (SCM_RIGHTS); checks it is a sealed segment
+        (and, given ``identity``, that very one)."""
         seg = cls(fd, size, name)
-        seg.check(size)
+        seg.check(size, identity)
         return seg
 
-    def check(self, size: int) -> None:
-        """Refuse anything but a sealed memfd of the announced size (a wrong fd would map garbage)."""
+    def check(self, size: int, identity: Optional[tuple[int, int]] = None) -> None:
+        """Refuse anything but a sealed memfd of the announced size (a wrong fd would map garbage)
+        and, given ``identity``, anything but that very file."""
         st = os.fstat(self.fd)
+        if identity is not None and (st.st_dev, st.st_ino) != tuple(identity):
+            raise Segment.Mismatch(f"fd {self.fd} for segment {self.name!r} is inode {st.st_dev}:{st.st_ino}, "
+                                   f"not {identity[0]}:{identity[1]}")
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             raise ValueError(f"fd {self.fd} for segment {self.name!r} is not a {size}-byte memfd (size {st.st_size})")
         try:

@@ -15,10 +15,11 @@ skeleton); file descriptors ride on the header's ``sendmsg`` as ``SCM_RIGHTS``::
 Note [Frames are untrusted]
 The server reads frames from any process that passed the peer-credential check,
 and a buggy or hostile one can send anything. Sizes are bounded before any
-allocation, JSON is parsed only into the declared fields with their declared
-types, unknown message types are refused, and every failure raises
-:class:`ProtocolError`, which closes that connection only. Received fds that were
-not expected are closed at once.
+allocation, and a large blob is allocated as its bytes arrive, not as announced; a
+frame that started must finish within the reader's ``frame_timeout``. JSON is parsed
+only into the declared fields with their declared types, unknown message types are
+refused, and every failure raises :class:`ProtocolError`, which closes that
+connection only. Received fds that were not expected are closed at once.
 """
 
 from __future__ import annotations
@@ -28,18 +29,20 @@ import json
 import os
 import socket
 import struct
+import time
 import typing
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 __all__ = [
     "MAGIC", "PROTOCOL_VERSION", "HEADER", "MAX_JSON", "MAX_BLOB", "MAX_FDS", "ErrorCode", "ProtocolError",
     "Message", "MESSAGE_TYPES", "encode_frame", "decode_header", "decode_fields", "send_message", "recv_message",
-    "Hello", "Welcome", "Error", "Load", "Entry", "Pending", "GetFds", "Fds", "GetContents", "Contents", "Status", "StatusReply", "ListEntries",
+    "Hello", "Welcome", "Error", "Load", "Entry", "LoadMeta", "Pending", "GetFds", "Fds", "GetContents", "Contents", "Status", "StatusReply", "ListEntries",
     "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "JobResult", "JobFailed", "Job", "JobStarted", "LoaderReady",
+    "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire",
 ]
 
 MAGIC = b"OVMD"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("<4sHHIQ")
 MAX_JSON = 1 << 20  # 1 MiB of fields
 MAX_BLOB = 1 << 31  # 2 GiB: skeletons of very large pipelines (tokenizer vocabularies) stay well below
@@ -59,6 +62,8 @@ class ErrorCode:
     SHUTTING_DOWN = 8
     TOO_LARGE = 9
     INTERNAL = 10
+    BUSY = 11  # too many connections: Note [Every peer is bounded] in overmind.server
+    NOT_FORKABLE = 12  # a warm interpreter that changed (stale modules, a new thread) refuses to fork
 
     @classmethod
     def name(cls, code: int) -> str:
@@ -180,7 +185,10 @@ class Entry(Message):
     WITH_BLOB: ClassVar[bool] = True
     key: str
     server_pid: int
-    segments: list  # [[server fd, size], ...]; null for an unused slot
+    # [[server fd, size, st_dev, st_ino], ...]; null for an unused slot. The fd number names the
+    # segment for opening; (st_dev, st_ino) is what it must turn out to be once opened
+    # (Note [A segment is opened by identity] in overmind.client).
+    segments: list
     nbytes: int
     hit: bool
     meta: dict = {}
@@ -194,6 +202,9 @@ class Pending(Message):
     key: str
     loading: bool
     reason: str = ""  # why the entry cannot be had (a recent failure), empty while loading
+    # The request asked to wait: the Entry or Error follows when the load ends. A client
+    # knows within its short reply bound that the server is alive, and waits long only now.
+    waiting: bool = False
 
 
 @message
@@ -247,8 +258,11 @@ class ListEntries(Message):
 
 @message
 class EntryList(Message):
+    """The entries, as a JSON array in the blob (thousands of them exceed MAX_JSON as fields)."""
+
     TYPE: ClassVar[int] = 23
-    entries: list
+    WITH_BLOB: ClassVar[bool] = True
+    count: int
 
 
 @message
@@ -282,7 +296,65 @@ class Prepare(Message):
     context: dict
 
 
+# -- overmind run: front end <-> server <-> warm interpreter ----------------------
+
+
+@message
+class Run(Message):
+    """Run a script in a child of a warm interpreter (``overmind run``). Carries three fds: the
+    front end's stdin, stdout and stderr. The server answers RunRefused, or hands the
+    connection to the warm interpreter, which answers RunStarted and, at the end, RunExited."""
+
+    TYPE: ClassVar[int] = 30
+    context: dict  # python, env: which warm interpreter (overmind.loader_pool.Context)
+    spec: dict  # mode, target, argv, cwd, env, umask: what the child becomes (overmind.warm.become)
+
+
+@message
+class RunRefused(Message):
+    """No warm run now (none ready yet, a stale or unsafe interpreter): run plainly."""
+
+    TYPE: ClassVar[int] = 31
+    reason: str
+
+
+@message
+class RunStarted(Message):
+    TYPE: ClassVar[int] = 32
+    pid: int
+
+
+@message
+class RunExited(Message):
+    TYPE: ClassVar[int] = 33
+    status: int  # the raw wait status (os.waitstatus_to_exitcode reads it)
+
+
 # -- server <-> loader ---------------------------------------------------------
+
+
+@message
+class Warm(Message):
+    """The server's first message to a new warm interpreter: the installed modules to import
+    before it is ready (Note [Warm interpreters learn] in overmind.loader)."""
+
+    TYPE: ClassVar[int] = 45
+    modules: list
+
+
+@message
+class Fork(Message):
+    """Fork a run. Carries four fds: stdin, stdout, stderr and the front end's connection."""
+
+    TYPE: ClassVar[int] = 46
+    spec: dict
+
+
+@message
+class Retire(Message):
+    """Stop forking; exit once every load and run in progress has finished."""
+
+    TYPE: ClassVar[int] = 47
 
 
 @message
@@ -302,7 +374,7 @@ class Job(Message):
     WITH_BLOB: ClassVar[bool] = True
     key: str
     sys_path: list
-    socket_path: str  # the server's socket, for fetching referenced entries
+    cwd: str = "/"
     modules: list = []  # imported in the zygote first, kept for later jobs
 
 
@@ -311,6 +383,8 @@ class JobStarted(Message):
     TYPE: ClassVar[int] = 42
     key: str
     pid: int
+    modules: int = 0  # installed modules the interpreter holds now
+    learned: list = []  # installed modules runs imported that it did not hold (for its successor)
 
 
 @message
@@ -329,6 +403,35 @@ class JobResult(Message):
 
 
 @message
+class LoadMeta(Message):
+    """What a loader says about its result (``JobResult.meta``, ``Entry.meta``): versioned and
+    typed like a message, so the server, the registry, the client and the CLI read one schema.
+    Not a message type of its own (no ``TYPE``); :meth:`from_wire` validates it."""
+
+    VERSION: ClassVar[int] = 1
+    version: int = 1
+    type: str = ""  # module.qualname of the result
+    pickler: str = ""
+    storages: int = 0
+    tensors: int = 0
+    original_seconds: float = 0.0
+    pack_seconds: float = 0.0
+    load_seconds: float = 0.0  # set by the server: the whole fill, queueing included
+    sys_path_extra: list = []  # dynamic-module folders the client must add to sys.path
+    references: list = []  # keys of entries passed in and handed back unchanged
+    files: list = []  # [[path, size, mtime_ns, ino, dev]]: Note [Observed files] in overmind.loader
+    deduplicated: int = 0  # bytes referenced in other entries' segments instead of written
+    contents: list = []  # [[digest hex, nbytes, slot, offset]]: Note [Content index] in overmind.registry
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "LoadMeta":
+        if not isinstance(data, dict) or data.get("version") != cls.VERSION:
+            raise ProtocolError(f"load metadata of version {data.get('version') if isinstance(data, dict) else None}, "
+                                f"expected {cls.VERSION}")
+        return decode_fields(None, data, cls)
+
+
+@message
 class JobFailed(Message):
     TYPE: ClassVar[int] = 44
     key: str
@@ -339,8 +442,9 @@ class JobFailed(Message):
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, GetContents, Contents, Status, StatusReply, ListEntries, EntryList, Evict,
-                Evicted, Shutdown, Ok, Prepare, LoaderReady, Job, JobStarted, JobResult, JobFailed)
+    for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, GetContents, Contents, Status, StatusReply,
+                ListEntries, EntryList, Evict, Evicted, Shutdown, Ok, Prepare, Run, RunRefused, RunStarted, RunExited,
+                LoaderReady, Job, JobStarted, JobResult, JobFailed, Warm, Fork, Retire)
 }
 
 def encode_frame(message: Message, blob: bytes | memoryview = b"") -> bytes:
@@ -375,10 +479,11 @@ def decode_header(header: bytes, max_blob: int = MAX_BLOB) -> tuple[int, int, in
     return version, mtype, json_len, blob_len
 
 
-def decode_fields(mtype: int, raw: bytes) -> Message:
-    cls = MESSAGE_TYPES[mtype]
+def decode_fields(mtype: Optional[int], raw: Any, cls: Optional[type] = None) -> Message:
+    """The message of type ``mtype`` from its JSON bytes (or ``cls`` from an already parsed dict)."""
+    cls = cls or MESSAGE_TYPES[mtype]
     try:
-        data = json.loads(raw)
+        data = json.loads(raw) if isinstance(raw, (bytes, bytearray, str)) else raw
     except (ValueError, RecursionError) as err:  # also ints over 4300 digits and deep nesting, not just syntax
         raise ProtocolError(f"{cls.__name__}: fields are not JSON ({str(err)[:200]})") from None
     if not isinstance(data, dict):
@@ -412,12 +517,26 @@ def send_message(sock: socket.socket, message: Message, blob: bytes | memoryview
         sock.sendall(blob)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
+# Blobs up to this size are allocated at once; larger ones grow as their bytes arrive, so a
+# peer announcing a large blob and sending nothing costs nothing (Note [Frames are untrusted]).
+_PREALLOCATE = 1 << 20
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytearray:
+    buf = bytearray(min(n, _PREALLOCATE))
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if got == len(buf):
+            buf.extend(bytes(min(n, 2 * len(buf)) - len(buf)))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProtocolError(f"frame not complete in time ({got} of {n} bytes)")
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(memoryview(buf)[got:], len(buf) - got)
+        except socket.timeout:
+            raise ProtocolError(f"frame not complete in time ({got} of {n} bytes)") from None
         if k == 0:
             raise ProtocolError(f"connection closed mid-frame ({got} of {n} bytes)")
         got += k
@@ -432,11 +551,13 @@ def _close_fds(fds) -> None:
             pass
 
 
-def recv_message(sock: socket.socket, *, max_blob: int = MAX_BLOB, max_fds: int = MAX_FDS
-                 ) -> tuple[Message, bytes, list[int]]:
+def recv_message(sock: socket.socket, *, max_blob: int = MAX_BLOB, max_fds: int = MAX_FDS,
+                 frame_timeout: Optional[float] = None) -> tuple[Message, bytes, list[int]]:
     """Read one frame. Raises EOFError on a clean close before a frame, ProtocolError on garbage.
 
-    The caller owns the returned fds.
+    The socket's own timeout bounds the wait for a frame to start; ``frame_timeout``, if
+    given, bounds the rest of the frame once its first bytes arrived (the socket's timeout is
+    changed meanwhile and restored). The caller owns the returned fds.
     """
     fds = array.array("i")
     cmsg_space = socket.CMSG_SPACE(max_fds * fds.itemsize)
@@ -450,12 +571,18 @@ def recv_message(sock: socket.socket, *, max_blob: int = MAX_BLOB, max_fds: int 
             raise EOFError("peer closed the connection")
         if flags & socket.MSG_CTRUNC:
             raise ProtocolError(f"more than {max_fds} fds in one message")
-        header = bytes(data)
-        if len(header) < HEADER.size:
-            header += bytes(_recv_exact(sock, HEADER.size - len(header)))
-        _, mtype, json_len, blob_len = decode_header(header, max_blob)
-        message = decode_fields(mtype, bytes(_recv_exact(sock, json_len)))
-        blob = bytes(_recv_exact(sock, blob_len)) if blob_len else b""
+        deadline = None if frame_timeout is None else time.monotonic() + frame_timeout
+        idle_timeout = sock.gettimeout()
+        try:
+            header = bytes(data)
+            if len(header) < HEADER.size:
+                header += bytes(_recv_exact(sock, HEADER.size - len(header), deadline))
+            _, mtype, json_len, blob_len = decode_header(header, max_blob)
+            message = decode_fields(mtype, bytes(_recv_exact(sock, json_len, deadline)))
+            blob = bytes(_recv_exact(sock, blob_len, deadline)) if blob_len else b""
+        finally:
+            if deadline is not None:
+                sock.settimeout(idle_timeout)
         return message, blob, received
     except BaseException:
         _close_fds(received)

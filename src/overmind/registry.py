@@ -18,6 +18,15 @@ overmind.reductions) as ``[digest, nbytes, slot, offset]``. :meth:`Registry.cont
 turns them into regions of live segments, named by (device, inode) and by an entry that
 holds the segment, so a loader can ask that entry for the fd. The index is built per
 request from the entries themselves: nothing to keep consistent on eviction.
+
+Note [Only deterministic failures are remembered]
+A load whose original loader raised will raise again: it is remembered for
+``FAILURE_TTL`` seconds, so later calls load plainly at once instead of paying a loader
+each. A loader that *died* (the OOM killer, a signal, a timeout) says nothing about the
+next try, so the key is tried again; only after ``MAX_DEATHS`` deaths in a row is it
+remembered like a raise. At most ``MAX_FAILURES`` failures are kept (oldest dropped) with
+their text cut to ``MAX_REMEMBERED_TEXT``: a client sending unique failing keys costs the
+server bounded memory.
 """
 
 from __future__ import annotations
@@ -27,12 +36,14 @@ import os
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
 logger = logging.getLogger("overmind.server.registry")
 
-__all__ = ["CacheEntry", "Registry", "TooLarge", "parse_size", "default_budget", "memory_total"]
+__all__ = ["CacheEntry", "Registry", "Flight", "Reply", "Admission", "TooLarge", "parse_size", "default_budget",
+           "memory_total", "FAILURE_TTL", "MAX_FAILURES"]
 
 
 class TooLarge(Exception):
@@ -74,6 +85,30 @@ def parse_size(text: str) -> int:
     return value
 
 
+# Failures remembered at once (Note [Only deterministic failures are remembered]).
+MAX_FAILURES = 256
+FAILURE_TTL = 600.0
+MAX_REMEMBERED_TEXT = 16 << 10  # bytes of a failure's message and traceback kept
+# Loader deaths in a row after which a key is remembered as failing like a raise.
+MAX_DEATHS = 3
+
+
+class Flight:
+    """One load in progress; requests for the same key wait on it (single flight)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.entry: Optional[CacheEntry] = None
+        self.error = None  # an overmind.protocol.Error once it failed
+
+
+@dataclass
+class Failure:
+    error: object  # overmind.protocol.Error
+    when: float
+    deaths: int = 0  # loader deaths in a row; remembered only from MAX_DEATHS on
+
+
 @dataclass
 class CacheEntry:
     key: str
@@ -83,7 +118,7 @@ class CacheEntry:
     slots: list  # per segment slot: [fd, size] or None; see Note [Server owns segment fds]
     nbytes: int  # bytes this entry's loader wrote
     refs: list  # keys of entries whose segments this one also maps
-    meta: dict
+    meta: dict  # overmind.protocol.LoadMeta, as sent
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     hits: int = 0
@@ -101,6 +136,12 @@ class CacheEntry:
             st = os.fstat(slot[0])
             self.segments.append((st.st_dev, st.st_ino, st.st_size))
             self.slot_ids.append((st.st_dev, st.st_ino))
+
+    def handles(self) -> list:
+        """Per slot ``[server fd, size, st_dev, st_ino]`` or None: what a client needs to open each
+        segment and to check it opened that segment (Note [A segment is opened by identity] in
+        overmind.client). Called under the registry's lock, so no eviction closes an fd meanwhile."""
+        return [None if slot is None else [slot[0], slot[1], *ident] for slot, ident in zip(self.slots, self.slot_ids)]
 
     def close(self) -> None:
         for slot in self.slots:
@@ -123,48 +164,163 @@ class CacheEntry:
         return True
 
 
-class Registry:
-    """Entries by key, LRU under a memory budget, with single-flight bookkeeping."""
+@dataclass(frozen=True)
+class Reply:
+    """What a hit sends, copied under the registry's lock: the entry may be evicted right after."""
 
-    def __init__(self, budget: Optional[int] = None) -> None:
-        self.lock = threading.Lock()
+    key: str
+    handles: list
+    nbytes: int
+    meta: dict
+    skeleton: bytes
+
+
+@dataclass
+class Admission:
+    """What :meth:`Registry.begin` decided for a request."""
+
+    reply: Optional[Reply] = None  # a hit
+    flight: Optional[Flight] = None  # a load in progress (``started``: this request must run it)
+    started: bool = False
+    failure: object = None  # overmind.protocol.Error of a remembered failure
+    busy: bool = False  # too many loads in flight: nothing started, nothing remembered
+
+
+class Registry:
+    """Entries by key, LRU under a memory budget, single flight and remembered failures.
+
+    Owns every piece of entry state; its lock is its own (no caller takes it).
+    """
+
+    def __init__(self, budget: Optional[int] = None, max_flights: int = 64) -> None:
+        self._lock = threading.Lock()
         self.budget = budget if budget is not None else default_budget()
-        self.entries: dict[str, CacheEntry] = {}
-        self.flights: dict = {}  # key -> overmind.server.Flight
-        self.failures: dict = {}  # key -> (when, error): not retried for a while
+        self.max_flights = max_flights
+        self._entries: dict[str, CacheEntry] = {}
+        self._flights: dict[str, Flight] = {}
+        self._failures: "OrderedDict[str, Failure]" = OrderedDict()
         self.hits = 0
         self.misses = 0
         self.evictions = 0
         self.stale = 0  # hits refused because a file the entry was loaded from changed
 
-    def get(self, key: str) -> Optional[CacheEntry]:
-        """The entry for ``key`` (a hit), or None. An entry whose files changed since it was
-        loaded (Note [Observed files] in overmind.loader) is evicted and counted as stale."""
-        with self.lock:
-            entry = self.entries.get(key)
-            if entry is None:
-                return None
-            if entry.fresh():
-                entry.hits += 1
-                entry.last_used = time.time()
-                self.hits += 1
-                return entry
-            del self.entries[key]
+    # -- lookups ---------------------------------------------------------------------------
+
+    def _fresh_entry(self, key: str) -> Optional[CacheEntry]:
+        """The entry for ``key`` if its files are unchanged; a stale one is evicted. The files
+        are stat-ed outside the lock: a slow filesystem must not stall every other request."""
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry.fresh():
+            return entry
+        with self._lock:
+            if self._entries.get(key) is not entry:
+                return self._entries.get(key)  # replaced meanwhile by a new load: that one is fresh
+            del self._entries[key]
             self.stale += 1
             self.evictions += 1
         logger.info("stale %s: a file it read changed; loading again", key[:16])
         entry.close()
         return None
 
+    def _hit(self, entry: CacheEntry, count: bool = True) -> Optional[Reply]:
+        """Count a hit and copy what the reply needs; None if ``entry`` left the registry."""
+        with self._lock:
+            if self._entries.get(entry.key) is not entry:
+                return None
+            if count:
+                entry.hits += 1
+                self.hits += 1
+            entry.last_used = time.time()
+            return Reply(entry.key, entry.handles(), entry.nbytes, entry.meta, entry.skeleton)
+
+    def get(self, key: str) -> Optional[Reply]:
+        """A hit for ``key``, or None (Note [Observed files] in overmind.loader)."""
+        entry = self._fresh_entry(key)
+        return None if entry is None else self._hit(entry)
+
+    def begin(self, key: str, lookup_only: bool = False) -> Admission:
+        """A hit, the flight to wait for (started by this request or another), or a remembered failure.
+
+        Past ``max_flights`` loads waiting or running, a new key starts nothing and is answered
+        as a failure that is not remembered: the caller loads plainly.
+        """
+        reply = self.get(key)
+        if reply is not None:
+            return Admission(reply=reply)
+        with self._lock:
+            entry = self._entries.get(key)  # a load finished since get()
+            if entry is None:
+                flight = self._flights.get(key)
+                if flight is not None:
+                    return Admission(flight=flight)
+                failure = self._failures.get(key)
+                if failure is not None and time.monotonic() - failure.when > FAILURE_TTL:
+                    del self._failures[key]
+                    failure = None
+                if failure is not None and failure.deaths in (0, MAX_DEATHS):
+                    return Admission(failure=failure.error)
+                if lookup_only:
+                    return Admission()
+                if len(self._flights) >= self.max_flights:
+                    return Admission(busy=True)
+                flight = self._flights[key] = Flight()
+                self.misses += 1
+                return Admission(flight=flight, started=True)
+        reply = self._hit(entry)
+        return Admission(reply=reply) if reply is not None else self.begin(key, lookup_only)
+
+    def finish(self, key: str, flight: Flight, *, remember: bool) -> None:
+        """End ``flight``: wake its waiters; remember its failure per
+        Note [Only deterministic failures are remembered]."""
+        with self._lock:
+            self._flights.pop(key, None)
+            if flight.error is None:
+                self._failures.pop(key, None)
+            else:
+                previous = self._failures.pop(key, None)
+                deaths = 0 if remember else min(MAX_DEATHS, (previous.deaths if previous else 0) + 1)
+                self._failures[key] = Failure(_trimmed(flight.error), time.monotonic(), deaths)
+                while len(self._failures) > MAX_FAILURES:
+                    self._failures.popitem(last=False)
+        flight.done.set()
+
+    def served_by_flight(self, flight: Flight, count: bool) -> Optional[Reply]:
+        """The reply for a request that waited for ``flight``; one that waited for another's load
+        counts as a hit (``count``), so hits + misses = requests. None if evicted already."""
+        return None if flight.entry is None else self._hit(flight.entry, count)
+
+    def loading(self) -> int:
+        with self._lock:
+            return len(self._flights)
+
+    def remembered_failures(self) -> int:
+        with self._lock:
+            return len(self._failures)
+
+    def segment_fds(self, key: str) -> Optional[tuple[list[int], list[int]]]:
+        """(sizes, fds) of ``key``'s live segments; the fds are duplicates the caller must close,
+        taken under the lock so none of them can be another segment's by the time it is sent."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            live = [s for s in entry.slots if s is not None]
+            return [s[1] for s in live], [os.dup(s[0]) for s in live]
+
+    # -- membership ------------------------------------------------------------------------
+
     def _holders(self) -> dict:
         holders: dict = {}
-        for entry in self.entries.values():
+        for entry in self._entries.values():
             for dev, ino, size in entry.segments:
                 holders.setdefault((dev, ino), [size, set()])[1].add(entry.key)
         return holders
 
     def used(self) -> int:
-        with self.lock:
+        with self._lock:
             return sum(size for size, _ in self._holders().values())
 
     def add(self, entry: CacheEntry) -> list[str]:
@@ -173,20 +329,20 @@ class Registry:
         Raises TooLarge (leaving the registry as it was) if the entry's own new bytes
         exceed the whole budget.
         """
-        with self.lock:
+        with self._lock:
             holders = self._holders()
             new_bytes = sum(size for dev, ino, size in entry.segments if (dev, ino) not in holders)
             if new_bytes > self.budget:
                 raise TooLarge(f"{new_bytes} bytes is more than the whole memory budget of {self.budget} bytes")
-            old = self.entries.pop(entry.key, None)
-            self.entries[entry.key] = entry
+            old = self._entries.pop(entry.key, None)
+            self._entries[entry.key] = entry
             victims = []
             while sum(size for size, _ in self._holders().values()) > self.budget:
-                candidates = [e for e in self.entries.values() if e is not entry]
+                candidates = [e for e in self._entries.values() if e is not entry]
                 if not candidates:
                     break
                 victim = min(candidates, key=lambda e: e.last_used)
-                victims.append(self.entries.pop(victim.key))
+                victims.append(self._entries.pop(victim.key))
             self.evictions += len(victims)
         if old is not None:
             old.close()
@@ -195,30 +351,39 @@ class Registry:
         return [v.key for v in victims]
 
     def evict(self, keys: list[str]) -> list[str]:
-        with self.lock:
-            dropped = [self.entries.pop(k) for k in keys if k in self.entries]
+        with self._lock:
+            dropped = [self._entries.pop(k) for k in keys if k in self._entries]
             self.evictions += len(dropped)
         for entry in dropped:
             entry.close()
         return [e.key for e in dropped]
 
+    def clear(self) -> None:
+        self.evict(self.keys())
+
     def match(self, prefix: str) -> list[str]:
-        with self.lock:
-            if prefix in self.entries:
+        with self._lock:
+            if prefix in self._entries:
                 return [prefix]
-            return [k for k in self.entries if k.startswith(prefix)]
+            return [k for k in self._entries if k.startswith(prefix)]
 
     def keys(self) -> list[str]:
-        with self.lock:
-            return list(self.entries)
+        with self._lock:
+            return list(self._entries)
+
+    def counters(self) -> dict:
+        with self._lock:
+            return {"entries": len(self._entries), "hits": self.hits, "misses": self.misses,
+                    "evictions": self.evictions, "stale_misses": self.stale, "budget": self.budget,
+                    "loading": len(self._flights), "remembered_failures": len(self._failures)}
 
     def content_index(self) -> dict:
         """Regions of live segments by content, for loaders: Note [Content index]."""
-        with self.lock:
+        with self._lock:
             keys: list[str] = []
             regions: list[list] = []
             seen: set = set()
-            for entry in sorted(self.entries.values(), key=lambda e: e.last_used, reverse=True):
+            for entry in sorted(self._entries.values(), key=lambda e: e.last_used, reverse=True):
                 number, added = len(keys), False
                 for digest, nbytes, slot, offset in entry.contents:
                     if not 0 <= slot < len(entry.slot_ids) or entry.slot_ids[slot] is None:
@@ -234,10 +399,10 @@ class Registry:
 
     def summaries(self) -> list[dict]:
         """Per entry: bytes owned and shared (Note [Memory is counted per segment]), hits, last use."""
-        with self.lock:
+        with self._lock:
             holders = self._holders()
             out = []
-            for e in self.entries.values():
+            for e in self._entries.values():
                 owned = sum(size for dev, ino, size in e.segments if len(holders[(dev, ino)][1]) == 1)
                 shared = sum(size for dev, ino, size in e.segments if len(holders[(dev, ino)][1]) > 1)
                 out.append({
@@ -247,3 +412,8 @@ class Registry:
                     "refs": e.refs, "meta": e.meta,
                 })
             return out
+
+
+def _trimmed(error):
+    """A failure as remembered: its text bounded (Note [Only deterministic failures are remembered])."""
+    return type(error)(error.code, error.message[:MAX_REMEMBERED_TEXT], error.traceback[-MAX_REMEMBERED_TEXT:])

@@ -44,22 +44,37 @@ from typing import Optional
 
 from overmind import __version__
 from overmind import protocol as P
-from overmind.config import Config, ConfigError, ensure_private_dir
+from overmind.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
+                             write_runtime_file)
 from overmind.loader_pool import LoaderPool, LoadFailure, context_from_wire
-from overmind.registry import CacheEntry, Registry, TooLarge, parse_size
+from overmind.registry import CacheEntry, Flight, Registry, Reply, TooLarge
 
 logger = logging.getLogger("overmind.server")
 
 __all__ = ["Server", "main"]
 
-# A key whose load failed is not tried again for this long: every later request would
-# otherwise pay a loader (and usually fail the same way).
-FAILURE_TTL = 600.0
-
 # A client's only blob is a pickled call (paths, configs, entry references): kilobytes. The
 # protocol's MAX_BLOB is sized for skeletons; a client claiming that much must not make the
 # server allocate it (Note [Frames are untrusted] in overmind.protocol).
 MAX_REQUEST_BLOB = 64 << 20
+
+# Note [Every peer is bounded]
+# A peer of our own uid can still be buggy or hostile; none may make the server grow
+# without bound or stop serving others. Connections are capped (past the cap a new one gets
+# BUSY and is closed); the handshake must arrive within HANDSHAKE_TIMEOUT; a frame, once
+# started, must be complete within FRAME_TIMEOUT and its blob is allocated as its bytes
+# arrive; a connection idle for IDLE_TIMEOUT is closed (clients reconnect transparently);
+# request fields are bounded (keys, descriptions, lists); loads in flight are capped by the
+# registry, and remembered failures are few and short (Note [Only deterministic failures are
+# remembered] in overmind.registry).
+MAX_CONNECTIONS = 256
+HANDSHAKE_TIMEOUT = 5.0
+FRAME_TIMEOUT = 30.0
+IDLE_TIMEOUT = 600.0
+MAX_KEY = 64  # keys are xxh3-128 hex digests (overmind.calls): 32 characters
+MAX_TEXT = 1000
+MAX_LIST = 256
+SOCKET_CHECK_INTERVAL = 0.5
 
 
 class AlreadyRunning(ConfigError):
@@ -67,13 +82,6 @@ class AlreadyRunning(ConfigError):
 
 
 EXIT_ALREADY_RUNNING = 75  # systemd: RestartPreventExitStatus=75
-
-
-class Flight:
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.entry: Optional[CacheEntry] = None
-        self.error: Optional[P.Error] = None
 
 
 class Server:
@@ -86,23 +94,30 @@ class Server:
         self.listener: Optional[socket.socket] = None
         self.loaders = LoaderPool(config)
         self.load_slots = threading.BoundedSemaphore(config.workers)
-        self.active = 0
+        self.active = 0  # requests being served
+        self.connections = 0  # connection threads alive: Note [Every peer is bounded]
         self.active_lock = threading.Lock()
         self.refused = 0
+        self.busy_refusals = 0
+        self.socket_id: Optional[tuple[int, int]] = None
+        self.socket_rebinds = 0
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 
     def startup(self) -> None:
         ensure_private_dir(self.config.runtime_dir)
         path = self.config.socket_path
-        # One server per runtime dir: held for the process's life, released by the kernel on death,
-        # so a stale socket file can be replaced safely and shutdown never removes another's socket.
-        self.instance_lock = open(self.config.runtime_dir / "server.instance.lock", "a")
+        # Note [One server per runtime directory]
+        # The instance lock is held for the process's life and released by the kernel on death,
+        # so a stale socket file can be replaced safely, shutdown never removes another's socket,
+        # and a client or the CLI can tell "a server runs here" even when its socket is gone.
+        fd = open_runtime_file(self.config.instance_lock_path)
         try:
-            fcntl.flock(self.instance_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self.instance_lock.close()
+            os.close(fd)
             raise AlreadyRunning(f"another overmind-server is already running in {self.config.runtime_dir}") from None
+        self.instance_lock = fd
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(path))
@@ -111,8 +126,14 @@ class Server:
             pass
         finally:
             probe.close()
+        self._bind()
+        write_runtime_file(self.config.pid_path, f"{os.getpid()}\n")
+
+    def _bind(self) -> None:
+        """Listen on a new socket file at the socket path (replacing whatever is there)."""
+        path = self.config.socket_path
         try:
-            path.unlink()
+            path.unlink()  # a stale socket, or a planted file or link: removed, never followed
         except FileNotFoundError:
             pass
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -122,13 +143,39 @@ class Server:
         finally:
             os.umask(old_umask)
         listener.listen(128)
-        self.listener = listener
-        self.config.pid_path.write_text(f"{os.getpid()}\n")
+        listener.settimeout(SOCKET_CHECK_INTERVAL)
+        st = os.lstat(path)
+        old, self.listener, self.socket_id = self.listener, listener, (st.st_dev, st.st_ino)
+        if old is not None:
+            old.close()
+
+    def _check_socket(self) -> None:
+        """Note [A lost socket is replaced]: someone deleted or replaced our socket file (a tmp
+        cleaner, a careless ``rm``). Unreachable, we would hold the cache while every client
+        loads plainly and tries to start another server; so we bind a new one."""
+        try:
+            st = os.lstat(self.config.socket_path)
+            if (st.st_dev, st.st_ino) == self.socket_id:
+                return
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            logger.warning("cannot check %s: %s", self.config.socket_path, err)
+            return
+        logger.warning("socket %s was removed or replaced; listening on a new one", self.config.socket_path)
+        try:
+            self._bind()
+            self.socket_rebinds += 1
+        except OSError as err:
+            logger.error("cannot listen on %s again: %s", self.config.socket_path, err)
 
     def serve(self) -> None:
         assert self.listener is not None
-        self.listener.settimeout(0.5)
+        last_check = time.monotonic()
         while not self.stopping.is_set():
+            if time.monotonic() - last_check >= SOCKET_CHECK_INTERVAL:
+                last_check = time.monotonic()
+                self._check_socket()
             try:
                 conn, _ = self.listener.accept()
             except socket.timeout:
@@ -137,7 +184,23 @@ class Server:
                 if self.stopping.is_set():
                     break
                 raise
-            threading.Thread(target=self._handle, args=(conn,), daemon=True, name="overmind-conn").start()
+            with self.active_lock:
+                admitted = self.connections < MAX_CONNECTIONS
+                if admitted:
+                    self.connections += 1
+                else:
+                    self.busy_refusals += 1
+            if not admitted:
+                with conn:
+                    conn.settimeout(1.0)
+                    self._reply_error(conn, P.ErrorCode.BUSY, f"more than {MAX_CONNECTIONS} connections")
+                continue
+            try:
+                threading.Thread(target=self._handle, args=(conn,), daemon=True, name="overmind-conn").start()
+            except RuntimeError:  # cannot start a thread: out of resources; this peer goes unserved
+                conn.close()
+                with self.active_lock:
+                    self.connections -= 1
 
     def shutdown(self, grace: float = 10.0) -> None:
         self.stopping.set()
@@ -153,20 +216,30 @@ class Server:
                     break
             time.sleep(0.05)
         self.loaders.close()
-        for key in self.registry.keys():
-            self.registry.evict([key])
-        for path in (self.config.socket_path, self.config.pid_path):
+        self.registry.clear()
+        try:
+            st = os.lstat(self.config.socket_path)
+            if (st.st_dev, st.st_ino) == self.socket_id:
+                self.config.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+        if read_runtime_file(self.config.pid_path).strip() == str(os.getpid()):
             try:
-                if path == self.config.pid_path and path.read_text().strip() != str(os.getpid()):
-                    continue
-                path.unlink()
-            except (FileNotFoundError, ValueError):
+                self.config.pid_path.unlink()
+            except FileNotFoundError:
                 pass
         logger.info("overmind-server stopped")
 
     # -- connections ---------------------------------------------------------------
 
     def _handle(self, conn: socket.socket) -> None:
+        try:
+            self._serve_connection(conn)
+        finally:
+            with self.active_lock:
+                self.connections -= 1
+
+    def _serve_connection(self, conn: socket.socket) -> None:
         with conn:
             try:
                 pid, uid, _ = P.peer_credentials(conn)
@@ -177,9 +250,9 @@ class Server:
                 logger.warning("refused connection from pid %d uid %d (server uid %d)", pid, uid, self.uid)
                 self._reply_error(conn, P.ErrorCode.PERMISSION_DENIED, "overmind-server serves only its own user")
                 return
-            conn.settimeout(60.0)
+            conn.settimeout(HANDSHAKE_TIMEOUT)  # Note [Every peer is bounded]
             try:
-                hello, _, fds = P.recv_message(conn, max_blob=0)
+                hello, _, fds = P.recv_message(conn, max_blob=0, frame_timeout=HANDSHAKE_TIMEOUT)
                 self._drop(fds)
                 if not isinstance(hello, P.Hello):
                     raise P.ProtocolError(f"expected Hello, got {type(hello).__name__}")
@@ -188,15 +261,21 @@ class Server:
                                       f"client speaks protocol {hello.version}, server speaks {P.PROTOCOL_VERSION}")
                     return
                 P.send_message(conn, P.Welcome(P.PROTOCOL_VERSION, os.getpid(), __version__, self.uid))
-                conn.settimeout(None)
                 while not self.stopping.is_set():
-                    message, blob, fds = P.recv_message(conn, max_blob=MAX_REQUEST_BLOB)
+                    conn.settimeout(IDLE_TIMEOUT)
+                    try:
+                        message, blob, fds = P.recv_message(conn, max_blob=MAX_REQUEST_BLOB,
+                                                            frame_timeout=FRAME_TIMEOUT)
+                    except socket.timeout:
+                        return  # idle: the client reconnects when it needs us again
                     self._drop(fds)  # clients never send fds
+                    conn.settimeout(FRAME_TIMEOUT)  # replies to a peer that stopped reading give up too
                     with self.active_lock:
                         self.active += 1
                     try:
                         self._dispatch(conn, message, blob, pid)
                     finally:
+                        del blob
                         with self.active_lock:
                             self.active -= 1
             except EOFError:
@@ -205,8 +284,8 @@ class Server:
                 logger.warning("closing connection from pid %d: %s", pid, err)
                 self._reply_error(conn, P.ErrorCode.VERSION_MISMATCH, str(err))
             except (P.ProtocolError, socket.timeout) as err:
-                logger.warning("closing connection from pid %d: %s", pid, err)
-                self._reply_error(conn, P.ErrorCode.BAD_REQUEST, str(err))
+                logger.warning("closing connection from pid %d: %s", pid, str(err)[:300])
+                self._reply_error(conn, P.ErrorCode.BAD_REQUEST, str(err)[:MAX_TEXT])
             except (BrokenPipeError, ConnectionResetError):
                 pass
             except Exception:  # never let one connection take the server down
@@ -228,18 +307,22 @@ class Server:
         if isinstance(message, P.Load):
             self._load(conn, message, blob, pid)
         elif isinstance(message, P.GetFds):
-            entry = self.registry.entries.get(message.key)
-            if entry is None:
-                return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {message.key}")
-            live = [s for s in entry.slots if s is not None]
-            P.send_message(conn, P.Fds(entry.key, [s[1] for s in live]), fds=[s[0] for s in live])
+            found = self.registry.segment_fds(message.key)
+            if found is None:
+                return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {message.key[:MAX_KEY]}")
+            sizes, fds = found
+            try:
+                P.send_message(conn, P.Fds(message.key, sizes), fds=fds)
+            finally:
+                self._drop(fds)
         elif isinstance(message, P.GetContents):
             index = self.registry.content_index()
             P.send_message(conn, P.Contents(len(index["regions"])), json.dumps(index).encode())
         elif isinstance(message, P.Status):
             P.send_message(conn, P.StatusReply(self.status()))
         elif isinstance(message, P.ListEntries):
-            P.send_message(conn, P.EntryList(self.registry.summaries()))
+            entries = self.registry.summaries()
+            P.send_message(conn, P.EntryList(len(entries)), json.dumps(entries).encode())
         elif isinstance(message, P.Evict):
             keys = self.registry.keys() if message.all else self.registry.match(message.key) if message.key else []
             if not message.all and len(keys) > 1:
@@ -262,99 +345,110 @@ class Server:
             raise P.ProtocolError(f"unexpected {type(message).__name__} from a client")
 
     def status(self) -> dict:
-        with self.registry.lock:
-            entries = list(self.registry.entries.values())
-            info = {
-                "pid": os.getpid(), "version": __version__, "uptime": time.time() - self.started,
-                "entries": len(entries),
-                "hits": self.registry.hits, "misses": self.registry.misses, "evictions": self.registry.evictions,
-                "stale_misses": self.registry.stale, "budget": self.registry.budget,
-                "loading": len(self.registry.flights), "refused_connections": self.refused,
-                "socket": str(self.config.socket_path), "torch_imported": "torch" in sys.modules,
-            }
+        info = {"pid": os.getpid(), "version": __version__, "uptime": time.time() - self.started,
+                **self.registry.counters(), "refused_connections": self.refused,
+                "busy_refusals": self.busy_refusals, "connections": self.connections,
+                "socket": str(self.config.socket_path), "socket_rebinds": self.socket_rebinds,
+                "torch_imported": "torch" in sys.modules}
         info["bytes"] = info["used"] = self.registry.used()
         info["loaders"] = self.loaders.describe()
         return info
 
     # -- loads ---------------------------------------------------------------------
 
-    def _send_entry(self, conn: socket.socket, entry: CacheEntry, hit: bool) -> None:
-        P.send_message(conn, P.Entry(entry.key, os.getpid(), [list(s) if s else None for s in entry.slots],
-                                     entry.nbytes, hit, entry.meta), entry.skeleton)
+    @staticmethod
+    def _send_entry(conn: socket.socket, reply: Reply, hit: bool) -> None:
+        P.send_message(conn, P.Entry(reply.key, os.getpid(), reply.handles, reply.nbytes, hit, reply.meta),
+                       reply.skeleton)
+
+    @staticmethod
+    def _check_load(request: P.Load) -> None:
+        """Note [Every peer is bounded]: refuse what no client of ours sends."""
+        keys = [request.key, *request.refs]
+        if not all(isinstance(k, str) and 0 < len(k) <= MAX_KEY and k.isalnum() and k.isascii() for k in keys):
+            raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"malformed key (at most {MAX_KEY} letters and digits)")
+        if len(request.refs) > MAX_LIST or len(request.modules) > MAX_LIST:
+            raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"more than {MAX_LIST} references or modules")
+        if not all(isinstance(m, str) and len(m) <= MAX_TEXT for m in request.modules):
+            raise LoadFailure(P.ErrorCode.BAD_REQUEST, "modules must be names")
+        if len(request.target) > MAX_TEXT or len(request.description) > MAX_TEXT:
+            raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"target or description over {MAX_TEXT} characters")
+        if not request.lookup_only:
+            context_from_wire(request.context)
 
     def _load(self, conn: socket.socket, request: P.Load, blob: bytes, pid: int) -> None:
         """Hit, or miss: see Note [Cold loads run behind the caller]."""
-        entry = self.registry.get(request.key)
-        if entry is not None:
-            return self._send_entry(conn, entry, hit=True)
-        with self.registry.lock:
-            entry = self.registry.entries.get(request.key)
-            flight = self.registry.flights.get(request.key) if entry is None else None
-            failure = self.registry.failures.get(request.key)
-            if failure is not None and time.monotonic() - failure[0] > FAILURE_TTL:
-                del self.registry.failures[request.key]
-                failure = None
-            start = entry is None and flight is None and failure is None and not request.lookup_only
-            if start:
-                flight = self.registry.flights[request.key] = Flight()
-                self.registry.misses += 1
-        if entry is not None:
-            return self._send_entry(conn, entry, hit=True)
-        if flight is None:
-            if request.lookup_only:
-                return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {request.key}")
-            assert failure is not None
-            if request.wait:
-                return P.send_message(conn, failure[1])
-            return P.send_message(conn, P.Pending(request.key, False, failure[1].message))
-        if start:
+        try:
+            self._check_load(request)
+        except LoadFailure as failure:
+            return self._reply_error(conn, failure.code, failure.message)
+        admission = self.registry.begin(request.key, lookup_only=request.lookup_only)
+        if admission.reply is not None:
+            return self._send_entry(conn, admission.reply, hit=True)
+        if admission.busy:
+            return P.send_message(conn, P.Pending(request.key, False, "the server is busy with other loads"))
+        if admission.failure is not None:
+            if request.wait or request.lookup_only:
+                return P.send_message(conn, admission.failure)
+            return P.send_message(conn, P.Pending(request.key, False, admission.failure.message[:MAX_TEXT]))
+        flight = admission.flight
+        if flight is None:  # lookup_only and nothing there
+            return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {request.key}")
+        if admission.started:
             threading.Thread(target=self._fly, args=(flight, request, blob, pid), daemon=True,
                              name="overmind-load").start()
         if not (request.wait or request.lookup_only):
             return P.send_message(conn, P.Pending(request.key, True, ""))
+        # Answer at once that we are alive and loading; the entry follows (Pending.waiting).
+        P.send_message(conn, P.Pending(request.key, True, "", waiting=True))
         if not flight.done.wait(self.config.loader_timeout + 60):
             return self._reply_error(conn, P.ErrorCode.LOADER_TIMEOUT, f"gave up waiting for {request.key}")
         if flight.entry is None:
             assert flight.error is not None
             return P.send_message(conn, flight.error)
-        if not start:  # served by another request's load: a hit, so hits + misses = requests
-            with self.registry.lock:
-                self.registry.hits += 1
-                flight.entry.hits += 1
-        self._send_entry(conn, flight.entry, hit=not start)
+        reply = self.registry.served_by_flight(flight, count=not admission.started)
+        if reply is None:  # evicted already (budget pressure from another load): a plain load it is
+            return P.send_message(conn, P.Error(P.ErrorCode.NOT_FOUND, f"{request.key} was evicted right after loading"))
+        self._send_entry(conn, reply, hit=not admission.started)
 
-    def _fly(self, flight: "Flight", request: P.Load, blob: bytes, pid: int) -> None:
+    def _fly(self, flight: Flight, request: P.Load, blob: bytes, pid: int) -> None:
+        remember = False
         try:
             flight.entry = self._run_load(request, blob, pid)
         except LoadFailure as failure:
             flight.error = P.Error(failure.code, failure.message, failure.traceback)
+            # Note [Only deterministic failures are remembered] in overmind.registry
+            remember = failure.code in (P.ErrorCode.LOADER_FAILED, P.ErrorCode.TOO_LARGE, P.ErrorCode.BAD_REQUEST)
         except Exception as err:  # pragma: no cover - reported, never fatal
             logger.exception("load of %s failed inside the server", request.key)
             flight.error = P.Error(P.ErrorCode.INTERNAL, f"server error: {err}")
         finally:
-            with self.registry.lock:
-                self.registry.flights.pop(request.key, None)
-                if flight.error is not None:
-                    self.registry.failures[request.key] = (time.monotonic(), flight.error)
-                    logger.warning("load of %s failed: %s", request.key[:16], flight.error.message)
-            flight.done.set()
+            if flight.error is not None:
+                logger.warning("load of %s failed: %s", request.key[:16], flight.error.message[:300])
+            self.registry.finish(request.key, flight, remember=remember)
 
     def _run_load(self, request: P.Load, blob: bytes, pid: int) -> CacheEntry:
         context = context_from_wire(request.context)
         started = time.monotonic()
         with self.load_slots:
             logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)
-            result, skeleton, fds = self.loaders.run(request.key, context, blob, self.config.socket_path,
-                                                     request.modules)
+            result, skeleton, fds = self.loaders.run(request.key, context, blob, request.modules)
         # The loader sends its new segments and, after them, those of other entries that hold some
         # of its storages already (Note [Stored once by content] in overmind.reductions).
         slots: list = [None] * result.nslots
         for fd, size, slot in zip(fds, result.sizes, result.slots):
             slots[slot] = [fd, size]
-        meta = dict(result.meta, load_seconds=time.monotonic() - started)
-        contents = meta.pop("contents", [])
+        try:
+            meta = P.LoadMeta.from_wire(result.meta)
+        except P.ProtocolError as err:
+            for slot in slots:
+                if slot is not None:
+                    os.close(slot[0])
+            raise LoadFailure(P.ErrorCode.INTERNAL, f"loader sent malformed metadata: {err}") from None
+        meta.load_seconds = time.monotonic() - started
+        contents, meta.contents = meta.contents, []  # kept by the registry, not sent to every client
         entry = CacheEntry(request.key, request.target, request.description, skeleton, slots, result.nbytes,
-                           list(result.refs), meta, contents=contents if isinstance(contents, list) else [])
+                           list(result.refs), meta.to_dict(), contents=contents)
         try:
             evicted = self.registry.add(entry)
         except TooLarge as err:
@@ -368,17 +462,31 @@ class Server:
         return entry
 
 
-def _configure_logging(config: Config, foreground: bool) -> None:
+def _configure_logging(config: Config, log_fd: int, foreground: bool) -> None:
     root = logging.getLogger("overmind")
     root.setLevel(config.log_level)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
-    handler = logging.FileHandler(config.log_path)
+    handler = logging.StreamHandler(os.fdopen(log_fd, "a", buffering=1))
     handler.setFormatter(fmt)
     root.addHandler(handler)
     if foreground:
         stream = logging.StreamHandler(sys.stderr)
         stream.setFormatter(fmt)
         root.addHandler(stream)
+
+
+def _limit_malloc_arenas() -> None:
+    """Note [Few malloc arenas]: glibc gives each busy thread an arena of its own and keeps
+    what it freed there, so a burst of connection threads (Note [Every peer is bounded])
+    leaves tens of MiB behind for good. The server's threads mostly wait on sockets; two
+    arenas serve them as fast. A no-op where mallopt is missing (musl)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
 
 
 def _install_signals(server: Server) -> None:
@@ -427,6 +535,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         config = Config.from_env(env)
         ensure_private_dir(config.runtime_dir)
+        # Note [Runtime files are opened, never followed] in overmind.config; opened before
+        # detaching, so a refusal reaches the one who started us.
+        log_fd = open_runtime_file(config.log_path, os.O_WRONLY | os.O_APPEND)
     except ConfigError as err:
         print(f"overmind-server: {err}", file=sys.stderr)
         return 2
@@ -439,6 +550,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             os.close(ready_write)
             with os.fdopen(ready_read) as pipe:
                 line = pipe.read()
+            if line.startswith("error "):  # "error <exit status> <message>" from the daemon
+                _, status, message = line.rstrip("\n").split(" ", 2)
+                print(f"overmind-server: {message}", file=sys.stderr)
+                return int(status)
             if not line:
                 print(f"overmind-server: failed to start; see {config.log_path}", file=sys.stderr)
                 return 1
@@ -447,14 +562,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.close(ready_read)
         _daemonize(ready_write)
 
-    _configure_logging(config, foreground=not args.daemon)
+    _configure_logging(config, log_fd, foreground=not args.daemon)
+    _limit_malloc_arenas()
     server = Server(config)
     try:
         server.startup()
     except (ConfigError, OSError) as err:
         logger.error("cannot start: %s", err)
-        print(f"overmind-server: {err}", file=sys.stderr)
-        return EXIT_ALREADY_RUNNING if isinstance(err, AlreadyRunning) else 1
+        status = EXIT_ALREADY_RUNNING if isinstance(err, AlreadyRunning) else 1
+        if ready_write >= 0:
+            os.write(ready_write, f"error {status} {err}\n".encode())
+        else:
+            print(f"overmind-server: {err}", file=sys.stderr)
+        return status
     _install_signals(server)
     line = f"overmind-server ready: pid {os.getpid()}, socket {config.socket_path}, version {__version__}\n"
     logger.info(line.strip())

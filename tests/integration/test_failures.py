@@ -376,8 +376,10 @@ report(first=digest(first), second=digest(second), seconds=[t1, t2], returned_at
     assert out["seconds"][0] < 120
 
 
-def test_frozen_server_costs_at_most_the_timeout(server, models, plain_lm):
-    env = server.client_env(OVERMIND_TIMEOUT="3", TEST_STRICT="1")
+def test_frozen_server_costs_at_most_the_reply_bound_not_the_timeout(server, models, plain_lm):
+    # OVERMIND_TIMEOUT (300 s) is for a cold fill the caller waits for; a server that does not
+    # answer at all costs OVERMIND_REPLY_TIMEOUT (here 1.5 s) per call.
+    env = server.client_env(OVERMIND_REPLY_TIMEOUT="1.5", TEST_STRICT="1")
     server.proc.send_signal(signal.SIGSTOP)
     try:
         out = _run_client(LM_CLIENT, env, str(models["lm"]))
@@ -385,10 +387,10 @@ def test_frozen_server_costs_at_most_the_timeout(server, models, plain_lm):
         server.proc.send_signal(signal.SIGCONT)
     assert out["first"] == out["second"] == plain_lm
     assert len(out["warnings"]) == 1, out["warnings"]
-    assert "timed out" in out["warnings"][0]
-    assert out["seconds"][0] < 3 + 20
-    assert out["strict"]["type"] == "OvermindError" and "timed out" in out["strict"]["message"]
-    assert 2.5 < out["strict"]["seconds"] < 3 + 10
+    assert "did not answer" in out["warnings"][0]
+    assert out["seconds"][0] < 1.5 + 10  # the bound, plus importing and running the plain load
+    assert out["strict"]["type"] == "OvermindError" and "did not answer" in out["strict"]["message"]
+    assert 1.4 < out["strict"]["seconds"] < 1.5 + 1.5
     assert server.status()["pid"] == server.pid  # and it serves again once thawed
 
 
@@ -523,7 +525,9 @@ def test_loader_crash_is_reported_and_the_server_survives(server, tmp_path):
     assert len(out["warnings"]) == 1 and "LOADER_CRASHED" in out["warnings"][0], out["warnings"]
     assert out["strict"]["type"] == "OvermindError" and "LOADER_CRASHED" in out["strict"]["message"]
     status = server.status()
-    assert server.proc.poll() is None and status["entries"] == 0 and status["misses"] == 1, status
+    # A death is tried again (Note [Only deterministic failures are remembered] in overmind.registry),
+    # up to MAX_DEATHS in a row: the three calls start at most three loads.
+    assert server.proc.poll() is None and status["entries"] == 0 and 1 <= status["misses"] <= 3, status
     assert all(z["alive"] for z in status["loaders"]), status["loaders"]  # only the forked child died
 
 

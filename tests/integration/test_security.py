@@ -109,15 +109,70 @@ def test_runtime_dir_is_0700_and_socket_is_owner_only(server):
     assert stat.S_IMODE(sock.st_mode) & 0o077 == 0, oct(sock.st_mode)
 
 
-def test_server_makes_an_existing_open_runtime_dir_private(runtime_dir):
-    os.chmod(runtime_dir, 0o755)
+def _start_server(runtime_dir: Path) -> subprocess.CompletedProcess:
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_NO_AUTOSTART="1")
+    return subprocess.run([sys.executable, "-m", "overmind.server", "--daemon"], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o777, 0o1777], ids=["0755", "0777", "1777-like-tmp"])
+def test_an_existing_runtime_dir_open_to_others_is_refused_and_left_as_it_was(runtime_dir, mode):
+    shared = runtime_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    with pytest.raises(ConfigError, match="open to other users"):
+        ensure_private_dir(shared)
+    proc = _start_server(shared)
+    assert proc.returncode != 0 and "open to other users" in proc.stderr and "chmod 700" in proc.stderr, proc.stderr
+    assert stat.S_IMODE(os.lstat(shared).st_mode) == mode  # never chmod-ed: /tmp stays usable for everyone
+    assert os.listdir(shared) == []
+
+
+def test_a_new_runtime_dir_is_created_private(runtime_dir):
+    fresh = runtime_dir / "a" / "b"
+    ensure_private_dir(fresh)
+    assert stat.S_IMODE(os.lstat(fresh).st_mode) == 0o700
+
+
+def test_a_planted_pid_symlink_is_replaced_never_written_through(runtime_dir, tmp_path):
+    precious = tmp_path / "precious"
+    precious.write_text("root's file\n")
+    (runtime_dir / "server.pid").symlink_to(precious)
     from .conftest import ServerProcess
 
-    proc = ServerProcess(runtime_dir)
+    server = ServerProcess(runtime_dir)
     try:
-        assert stat.S_IMODE(os.lstat(runtime_dir).st_mode) == 0o700
+        assert precious.read_text() == "root's file\n"
+        pid_file = runtime_dir / "server.pid"
+        assert stat.S_ISREG(os.lstat(pid_file).st_mode) and pid_file.read_text().strip() == str(server.pid)
     finally:
-        proc.stop()
+        server.stop()
+    assert precious.read_text() == "root's file\n"
+
+
+def test_a_planted_fifo_as_pid_file_does_not_hang_the_server(runtime_dir):
+    os.mkfifo(runtime_dir / "server.pid")
+    from .conftest import ServerProcess
+
+    server = ServerProcess(runtime_dir)  # returns once ready: a hang would time the test out
+    try:
+        assert (runtime_dir / "server.pid").read_text().strip() == str(server.pid)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("name", ["server.log", "server.instance.lock"])
+def test_a_planted_symlink_or_fifo_for_the_log_or_lock_is_refused_with_a_clear_message(runtime_dir, tmp_path, name):
+    precious = tmp_path / "precious"
+    precious.write_text("keep\n")
+    (runtime_dir / name).symlink_to(precious)
+    proc = _start_server(runtime_dir)
+    assert proc.returncode != 0 and name in proc.stderr and "symlink" in proc.stderr, proc.stderr
+    assert precious.read_text() == "keep\n"
+    (runtime_dir / name).unlink()
+    os.mkfifo(runtime_dir / name)
+    proc = _start_server(runtime_dir)  # O_NONBLOCK: a FIFO cannot hang the open
+    assert proc.returncode != 0 and "not a regular file" in proc.stderr, proc.stderr
 
 
 @needs_root

@@ -21,7 +21,7 @@ from overmind import protocol as P
 
 HELLO_FRAME = (
     b"OVMD"  # magic
-    b"\x02\x00"  # protocol version 2
+    b"\x03\x00"  # protocol version 3
     b"\x01\x00"  # type 1: Hello
     b"\x40\x00\x00\x00"  # json_len 64
     b"\x00\x00\x00\x00\x00\x00\x00\x00"  # blob_len 0
@@ -32,7 +32,7 @@ LOAD_FIELDS = (b'{"context":{"cwd":"/"},"description":"f(1)","key":"k1","lookup_
                b'"modules":["torch"],"refs":["r"],"target":"m:f","wait":false}')
 LOAD_FRAME = (
     b"OVMD"
-    b"\x02\x00"  # protocol version 2
+    b"\x03\x00"  # protocol version 3
     b"\x0a\x00"  # type 10: Load
     b"\x87\x00\x00\x00"  # json_len 135
     b"\x04\x00\x00\x00\x00\x00\x00\x00"  # blob_len 4 (the blob follows the frame, sent separately)
@@ -57,7 +57,7 @@ def test_header_layout_is_pinned():
     assert P.HEADER.format == "<4sHHIQ"
     assert P.HEADER.size == 20
     assert P.MAGIC == b"OVMD"
-    assert P.PROTOCOL_VERSION == 2
+    assert P.PROTOCOL_VERSION == 3
 
 
 def test_message_type_codes_never_change():
@@ -66,15 +66,18 @@ def test_message_type_codes_never_change():
         10: "Load", 11: "Entry", 12: "GetFds", 13: "Fds", 14: "Pending", 15: "GetContents", 16: "Contents",
         20: "Status", 21: "StatusReply", 22: "ListEntries", 23: "EntryList", 24: "Evict", 25: "Evicted",
         26: "Shutdown", 27: "Ok", 28: "Prepare",
-        40: "LoaderReady", 41: "Job", 42: "JobStarted", 43: "JobResult", 44: "JobFailed",
+        30: "Run", 31: "RunRefused", 32: "RunStarted", 33: "RunExited",
+        40: "LoaderReady", 41: "Job", 42: "JobStarted", 43: "JobResult", 44: "JobFailed", 45: "Warm", 46: "Fork",
+        47: "Retire",
     }
-    assert {cls.__name__ for cls in P.MESSAGE_TYPES.values() if cls.WITH_BLOB} == {"Load", "Entry", "Contents", "Job", "JobResult"}
+    assert {cls.__name__ for cls in P.MESSAGE_TYPES.values() if cls.WITH_BLOB} == {"Load", "Entry", "Contents", "EntryList", "Job",
+                                                                                          "JobResult"}
 
 
 def test_error_codes_never_change():
     E = P.ErrorCode
     assert (E.BAD_REQUEST, E.VERSION_MISMATCH, E.NOT_FOUND, E.LOADER_FAILED, E.LOADER_CRASHED, E.LOADER_TIMEOUT,
-            E.PERMISSION_DENIED, E.SHUTTING_DOWN, E.TOO_LARGE, E.INTERNAL) == tuple(range(1, 11))
+            E.PERMISSION_DENIED, E.SHUTTING_DOWN, E.TOO_LARGE, E.INTERNAL, E.BUSY, E.NOT_FORKABLE) == tuple(range(1, 13))
     assert E.name(5) == "LOADER_CRASHED"
     assert E.name(99) == "ERROR_99"
 
@@ -88,9 +91,10 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.Load(key="a" * 32, target="torch:load", description="torch.load('/x')",
             context={"python": "/usr/bin/python3", "cwd": "/", "sys_path": ["/a"], "env": {"HF_HOME": "/h"}},
             refs=["b" * 32], lookup_only=False, modules=["torch"], wait=False), b"\x80\x05pickled call\x00\xff"),
-    (P.Entry(key="k", server_pid=9, segments=[[5, 4096], None, [6, 8192]], nbytes=12288, hit=True,
+    (P.Entry(key="k", server_pid=9, segments=[[5, 4096, 45, 1001], None, [6, 8192, 45, 1002]], nbytes=12288, hit=True,
              meta={"type": "dict", "load_seconds": 0.5}), b"skeleton" * 100),
     (P.Pending(key="k", loading=False, reason="OSError: no config.json"), b""),
+    (P.Pending(key="k", loading=True, waiting=True), b""),
     (P.GetFds(key="k"), b""),
     (P.Fds(key="k", sizes=[4096]), b""),
     (P.GetContents(), b""),
@@ -98,15 +102,24 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.Status(), b""),
     (P.StatusReply(info={"entries": 2, "hits": 3, "nested": {"x": [1, 2.5, None]}}), b""),
     (P.ListEntries(), b""),
-    (P.EntryList(entries=[{"key": "k", "bytes": 1}]), b""),
+    (P.EntryList(count=1), b'[{"key": "k", "bytes": 1}]'),
     (P.Evict(key="abc", all=False), b""),
     (P.Evicted(keys=["abc"]), b""),
     (P.Shutdown(), b""),
     (P.Ok(), b""),
     (P.Prepare(context={"python": "/usr/bin/python3", "cwd": "/", "sys_path": [], "env": {}}), b""),
+    (P.Run(context={"python": "/usr/bin/python3", "env": {"HF_HOME": "/h"}},
+           spec={"mode": "script", "target": "/a/b.py", "argv": ["-x"], "cwd": "/a", "env": {"A": "1"}, "umask": 18}),
+     b""),
+    (P.RunRefused(reason="no warm interpreter for this context yet"), b""),
+    (P.RunStarted(pid=77), b""),
+    (P.RunExited(status=256), b""),
     (P.LoaderReady(pid=3, imported=["torch"]), b""),
-    (P.Job(key="k", sys_path=["/a", "/b"], socket_path="/run/x/server.sock", modules=["diffusers"]), b"call"),
-    (P.JobStarted(key="k", pid=11), b""),
+    (P.Warm(modules=["torch", "diffusers"]), b""),
+    (P.Fork(spec={"mode": "code", "target": "pass", "argv": [], "cwd": "/", "env": {}, "umask": 18}), b""),
+    (P.Retire(), b""),
+    (P.Job(key="k", sys_path=["/a", "/b"], cwd="/a", modules=["diffusers"]), b"call"),
+    (P.JobStarted(key="k", pid=11, modules=3, learned=["json"]), b""),
     (P.JobResult(key="k", sizes=[4096], slots=[0], nslots=2, nbytes=4096, refs=[], meta={"pickler": "pickle"}),
      b"skel"),
     (P.JobFailed(key="k", code=P.ErrorCode.LOADER_FAILED, message="OSError: no", traceback="tb"), b""),

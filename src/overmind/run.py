@@ -1,0 +1,219 @@
+"""``overmind run``: run a script in a child forked from a warm interpreter. Standard library only.
+
+    overmind run train.py --epochs 3        # like `python train.py --epochs 3`
+    overmind run -m http.server 8000        # like `python -m http.server 8000`
+    overmind run -c "import torch; print(torch.randn(3))"
+    overmind run --python /opt/venv/bin/python script.py
+
+This process is only the front end: it hands its argv, working directory, environment,
+umask and its own stdin/stdout/stderr to overmind-server, which forks the run from a warm
+interpreter of the same context (Note [Warm interpreters] in overmind.loader). The child
+has the caller's terminal or pipes themselves, so ``isatty()``, interleaving and reading
+stdin are those of plain python. The front end forwards signals and exits with the
+child's status; a death by a signal is reported as a shell would see it.
+
+Note [Never worse than plain python]
+No server, a server that refuses or does not answer within the reply bound, or no warm
+interpreter ready yet for this context: the front end ``exec``\\ s plain python with the
+same arguments, in place, and the server (started in the background if there was none)
+gets an interpreter ready for next time. That path costs the front end's own start-up and
+one round trip, tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+from overmind import protocol as P
+from overmind.config import Config, ConfigError
+
+__all__ = ["main", "parse", "run_spec", "hand_off"]
+
+USAGE = "usage: overmind run [--python PATH] (SCRIPT | -m MODULE | -c CODE) [ARGS...]"
+
+# Signals a terminal sends to its foreground process group: forwarded to the child's group.
+_GROUP_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP, signal.SIGCONT, signal.SIGWINCH)
+# Signals someone sends to this process (kill, a supervisor): forwarded to the child itself.
+_PROCESS_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
+
+
+class UsageError(ValueError):
+    pass
+
+
+def parse(argv: list[str]) -> tuple[str, str, str, list[str]]:
+    """(python, mode, target, args) from ``overmind run``'s arguments."""
+    python = sys.executable
+    rest = list(argv)
+    while rest and rest[0] == "--python":
+        if len(rest) < 2:
+            raise UsageError("--python needs a path")
+        python = rest[1]
+        rest = rest[2:]
+    if rest and rest[0].startswith("--python="):
+        python = rest.pop(0).split("=", 1)[1]
+    if not rest:
+        raise UsageError("nothing to run")
+    head = rest.pop(0)
+    if head in ("-m", "-c"):
+        if not rest:
+            raise UsageError(f"{head} needs an argument")
+        return python, "module" if head == "-m" else "code", rest.pop(0), rest
+    if head.startswith("-m") and len(head) > 2:
+        return python, "module", head[2:], rest
+    if head.startswith("-c") and len(head) > 2:
+        return python, "code", head[2:], rest
+    if head.startswith("-") and head != "-":
+        raise UsageError(f"unknown option {head}; python options go in PYTHON* variables")
+    return python, "script", head, rest
+
+
+def _plain_argv(python: str, mode: str, target: str, args: list[str]) -> list[str]:
+    flag = {"module": ["-m"], "code": ["-c"], "script": []}[mode]
+    return [python, *flag, target, *args]
+
+
+def run_spec(mode: str, target: str, args: list[str]) -> dict:
+    """What the warm child needs to become ``python <mode> <target> <args>`` (overmind.warm.become)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return {"mode": mode, "target": target, "argv": list(args), "cwd": os.getcwd(), "env": dict(os.environ),
+            "umask": umask}
+
+
+def run_context(python: str) -> dict:
+    from overmind.config import ENV_NAMES, ENV_PREFIXES
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    return {"python": os.path.abspath(python), "env": env}
+
+
+def _start_server_in_background(config: Config) -> None:
+    """For next time: a detached ``overmind-server --daemon``; we do not wait for it."""
+    import subprocess
+
+    try:
+        subprocess.Popen([sys.executable, "-m", "overmind.server", "--daemon"], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd="/",
+                         env=dict(os.environ, OVERMIND_RUNTIME_DIR=str(config.runtime_dir)))
+    except OSError:
+        pass
+
+
+def _connect(config: Config) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(config.reply_timeout)
+    try:
+        sock.connect(str(config.socket_path))
+        _, peer_uid, _ = P.peer_credentials(sock)
+        if peer_uid != os.getuid():
+            raise ConnectionRefusedError(f"the server at {config.socket_path} runs as uid {peer_uid}")
+        P.send_message(sock, P.Hello(P.PROTOCOL_VERSION, os.getpid(), "run"))
+        welcome = P.expect(P.recv_message(sock, max_blob=0, frame_timeout=config.reply_timeout)[0], P.Welcome)
+        if welcome.uid != os.getuid():
+            raise ConnectionRefusedError(f"the server at {config.socket_path} runs as uid {welcome.uid}")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def hand_off(python: str, spec: dict, config: Config) -> tuple[socket.socket, int] | None:
+    """Ask the server to fork the run; (connection, child pid), or None to run plainly."""
+    try:
+        sock = _connect(config)
+    except (FileNotFoundError, ConnectionRefusedError):
+        if config.autostart:
+            _start_server_in_background(config)
+        return None
+    except (OSError, P.ProtocolError, P.RemoteError, EOFError):
+        return None
+    try:
+        P.send_message(sock, P.Run(run_context(python), spec), fds=[0, 1, 2])
+        message, _, fds = P.recv_message(sock, max_blob=0, frame_timeout=config.reply_timeout)
+        for fd in fds:
+            os.close(fd)
+    except (OSError, P.ProtocolError, EOFError):
+        sock.close()
+        return None
+    if not isinstance(message, P.RunStarted):
+        sock.close()
+        return None
+    return sock, message.pid
+
+
+def wait_for(sock: socket.socket, pid: int) -> int:
+    """Forward signals to the child until it exits; its raw wait status."""
+
+    def forward(signum, frame):
+        try:
+            if signum in _GROUP_SIGNALS:
+                os.killpg(pid, signum)
+            else:
+                os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+        if signum == signal.SIGTSTP:  # stop ourselves too, as the shell expects of a foreground job
+            signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTSTP)
+            signal.signal(signal.SIGTSTP, forward)
+
+    for signum in _GROUP_SIGNALS + _PROCESS_SIGNALS:
+        signal.signal(signum, forward)
+    sock.settimeout(None)
+    while True:
+        try:
+            message, _, fds = P.recv_message(sock, max_blob=0)
+        except InterruptedError:
+            continue
+        except (EOFError, OSError, P.ProtocolError) as err:
+            print(f"overmind run: lost the warm interpreter running pid {pid} ({err})", file=sys.stderr)
+            return 1 << 8
+        for fd in fds:
+            os.close(fd)
+        if isinstance(message, P.RunExited):
+            return message.status
+
+
+def exit_like(status: int) -> "NoReturn":  # noqa: F821
+    """Leave as the child did: its exit code, or death by its signal (the shell then reports 128+n)."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)  # the signal is ignored or blocked by whoever started us
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        python, mode, target, args = parse(argv)
+    except UsageError as err:
+        print(f"overmind run: {err}\n{USAGE}", file=sys.stderr)
+        return 2
+    plain = _plain_argv(python, mode, target, args)
+    try:
+        config = Config.from_env()
+    except ConfigError as err:
+        print(f"overmind run: {err}; running plainly", file=sys.stderr)
+        config = None
+    started = hand_off(python, run_spec(mode, target, args), config) if config and not config.disable else None
+    if started is None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            os.execv(plain[0], plain)
+        except OSError as err:
+            print(f"overmind run: cannot run {plain[0]}: {err.strerror}", file=sys.stderr)
+            return 127
+    sock, pid = started
+    exit_like(wait_for(sock, pid))
+    return 1  # unreachable
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,238 @@
+"""Never a stuck user: bad settings, odd arguments, a stopped or unreachable server, loader
+deaths and hostile peers of our own uid. Real server subprocess, real clients, real sockets.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from overmind import protocol as P
+
+from ..conftest import REPO, child_env
+from .conftest import ServerProcess, last_json
+from .test_failures import PRELUDE, _backdate, _kill_all, _run_client, _servers_of, _wait_for
+
+LM = PRELUDE + '''
+from transformers import LlamaForCausalLM
+def weights(model):
+    return float(sum(t.double().sum() for t in model.state_dict().values()))
+path = sys.argv[1]
+'''
+
+
+def _rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _handshake(server) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(server.socket_path))
+    P.send_message(sock, P.Hello(P.PROTOCOL_VERSION, os.getpid(), "client", "test"))
+    assert isinstance(P.recv_message(sock)[0], P.Welcome)
+    return sock
+
+
+# -- 2. the user's call never fails because of overmind ---------------------------------------
+
+
+@pytest.mark.parametrize("setting", ["OVERMIND_TIMEOUT=abc", "OVERMIND_MAX_MEMORY=lots", "OVERMIND_WORKERS=-1"])
+def test_a_malformed_setting_falls_back_with_one_warning_and_strict_raises(server, models, setting):
+    name, value = setting.split("=")
+    code = LM + '''
+a = weights(LlamaForCausalLM.from_pretrained(path))
+b = weights(LlamaForCausalLM.from_pretrained(path))
+report(a=a, b=b, strict=strict(LlamaForCausalLM.from_pretrained, path))
+'''
+    out = _run_client(code, server.client_env(**{name: value}), str(models["lm"]))
+    plain = _run_client(LM + "report(a=weights(LlamaForCausalLM.from_pretrained(path)))",
+                        child_env(OVERMIND_DISABLE="1"), str(models["lm"]))
+    assert out["a"] == out["b"] == plain["a"]
+    assert len(out["warnings"]) == 1 and name in out["warnings"][0], out["warnings"]
+    assert out["strict"]["type"] == "OvermindError" and name in out["strict"]["message"]
+
+
+def test_an_argument_whose_reduce_raises_falls_back_to_the_original(server, tmp_path):
+    code = PRELUDE + '''
+import torch
+class Odd(dict):  # a valid map_location that refuses to be pickled
+    def __reduce__(self):
+        raise ValueError("no pickling for you")
+torch.save({"w": torch.arange(6.0)}, sys.argv[1])
+os.utime(sys.argv[1], (time.time() - 60, time.time() - 60))
+got = torch.load(sys.argv[1], map_location=Odd(cpu="cpu"))
+report(w=got["w"].tolist(), strict=strict(torch.load, sys.argv[1], Odd(cpu="cpu")))
+'''
+    out = _run_client(code, server.client_env(), str(tmp_path / "w.pt"))
+    assert out["w"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert len(out["warnings"]) == 1 and "no pickling for you" in out["warnings"][0], out["warnings"]
+    assert out["strict"]["type"] == "OvermindError" and "no pickling for you" in out["strict"]["message"]
+
+
+# -- 3. a stopped or unreachable server --------------------------------------------------------
+
+
+def test_a_warm_call_against_a_stopped_server_falls_back_within_3_seconds(server, models):
+    code = LM + '''
+first, _, _ = timed(LlamaForCausalLM.from_pretrained, path)
+os.kill(int(sys.argv[2]), 19)  # SIGSTOP: the entry is cached, the server frozen
+second, err, seconds = timed(LlamaForCausalLM.from_pretrained, path)
+strict_result = strict(LlamaForCausalLM.from_pretrained, path)
+os.kill(int(sys.argv[2]), 18)
+report(first=weights(first), second=weights(second), err=repr(err), seconds=seconds, strict=strict_result)
+'''
+    env = server.client_env(OVERMIND_COLD="wait")  # OVERMIND_TIMEOUT stays 300 s: it must not apply
+    try:
+        out = _run_client(code, env, str(models["lm"]), str(server.pid))
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    assert out["first"] == out["second"] and out["err"] == "None"
+    assert out["seconds"] < 3.0, out
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert out["strict"]["type"] == "OvermindError" and out["strict"]["seconds"] < 3.0, out["strict"]
+    assert server.status()["pid"] == server.pid
+
+
+def test_a_deleted_socket_is_replaced_and_no_second_server_is_started(runtime_dir, models):
+    server = ServerProcess(runtime_dir)
+    try:
+        env = server.client_env(OVERMIND_COLD="wait")
+        env.pop("OVERMIND_NO_AUTOSTART")  # clients may start a server: they must not start a second one
+        code = LM + "m = LlamaForCausalLM.from_pretrained(path); report(w=weights(m))"
+        first = _run_client(code, env, str(models["lm"]))
+        server.socket_path.unlink()
+        again = _run_client(code, env, str(models["lm"]))
+        assert again["w"] == first["w"] and again["warnings"] == [], again
+        assert _servers_of(runtime_dir) == [server.pid]
+        status = server.status()
+        assert status["socket_rebinds"] == 1 and status["hits"] >= 1, status
+        assert "was removed or replaced" in server.log()
+    finally:
+        server.stop()
+        _kill_all(runtime_dir)
+
+
+def test_the_cli_finds_and_stops_a_server_it_cannot_reach(runtime_dir):
+    server = ServerProcess(runtime_dir)
+    try:
+        server.proc.send_signal(signal.SIGSTOP)  # it holds the runtime dir but answers nothing
+        status = server.cli("status", check=False)
+        assert status.returncode == 1 and f"pid {server.pid}" in status.stderr, status.stderr
+        started = time.monotonic()
+        stop = server.cli("shutdown", check=False)
+        assert stop.returncode == 0 and f"pid {server.pid}" in stop.stdout, (stop.stdout, stop.stderr)
+        assert server.proc.wait(timeout=20) is not None
+        assert time.monotonic() - started < 20
+    finally:
+        server.stop()
+
+
+# -- 4. a loader's death is retried; a raise is remembered -------------------------------------
+
+DYING_MODULE = '''
+import os
+
+
+def load(path):
+    if os.environ.get("OVERMIND_DISABLE") == "1" and os.path.exists(path + ".die"):
+        os.kill(os.getpid(), 9)  # as the OOM killer would
+    return {"path": path, "n": 42}
+'''
+
+
+def test_a_loader_killed_mid_fill_does_not_poison_the_key(server, tmp_path):
+    modules, data = tmp_path / "modules", tmp_path / "data"
+    modules.mkdir()
+    data.mkdir()
+    (modules / "dying_loader.py").write_text(DYING_MODULE)
+    _backdate(data)
+    marker = str(data) + ".die"
+    open(marker, "w").close()
+    code = PRELUDE + '''
+import dying_loader
+got = overmind.api.load(dying_loader.load, sys.argv[1])
+report(got=got)
+'''
+    env = server.client_env(TEST_SYS_PATH=str(modules), OVERMIND_COLD="wait")
+    died = _run_client(code, env, str(data))
+    assert died["got"] == {"path": str(data), "n": 42}
+    assert len(died["warnings"]) == 1 and "LOADER_CRASHED" in died["warnings"][0], died["warnings"]
+    os.unlink(marker)  # the next try would succeed: it must be made
+    retried = _run_client(code, env, str(data))
+    assert retried["got"] == died["got"] and retried["warnings"] == [], retried["warnings"]
+    status = server.status()
+    assert (status["misses"], status["entries"], status["remembered_failures"]) == (2, 1, 0), status
+
+
+# -- 5. hostile peers of our own uid cost bounded memory ---------------------------------------
+
+
+def test_stalled_blobs_and_oversized_keys_cost_the_server_bounded_memory(server):
+    for _ in range(3):
+        server.status()
+    idle = _rss_kib(server.pid)
+    stalled = []
+    for _ in range(8):  # each announces a 64 MiB blob and goes silent
+        sock = _handshake(server)
+        header = P.encode_frame(P.Load("a" * 32, "m:f", "d", {}, wait=False), b"x" * 0)
+        fields = header[P.HEADER.size:]
+        sock.sendall(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, P.Load.TYPE, len(fields), 64 << 20 - 1) + fields)
+        sock.sendall(b"\0" * 1000)
+        stalled.append(sock)
+    context = {"python": sys.executable, "cwd": "/", "sys_path": [], "env": {}}
+    with _handshake(server) as sock:  # 300 loads with unique 512 KiB keys
+        for i in range(300):
+            key = f"{i:08x}" * (64 << 10)
+            P.send_message(sock, P.Load(key, "m:f", "d", context, wait=False), b"x")
+            reply = P.recv_message(sock)[0]
+            assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.BAD_REQUEST, reply
+    time.sleep(0.5)
+    grown = (_rss_kib(server.pid) - idle) / 1024
+    assert grown < 40, f"server grew by {grown:.0f} MiB"
+    status = server.status()
+    assert status["remembered_failures"] == 0 and status["loading"] == 0, status
+    for sock in stalled:
+        sock.close()
+
+
+def test_connections_past_the_cap_are_refused_busy_and_the_server_keeps_serving(server):
+    from overmind.server import MAX_CONNECTIONS
+
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 5):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            # A full listen backlog answers EAGAIN: wait for the server to accept the earlier ones.
+            _wait_for(lambda: sock.connect_ex(str(server.socket_path)) == 0, 20, "a free backlog slot")
+            held.append(sock)
+        # The extra ones get BUSY and are closed; the first MAX_CONNECTIONS wait for a handshake.
+        refused = _wait_for(lambda: server_busy(held[-5:]), 20, "BUSY answers")
+        assert refused == 5
+    finally:
+        for sock in held:
+            sock.close()
+    _wait_for(lambda: server.status()["connections"] <= 1, 20, "the connections to be released")
+    assert server.status()["busy_refusals"] >= 5
+
+
+def server_busy(socks) -> int:
+    count = 0
+    for sock in socks:
+        try:
+            message = P.recv_message(sock)[0]
+        except (EOFError, OSError, P.ProtocolError):
+            continue
+        count += isinstance(message, P.Error) and message.code == P.ErrorCode.BUSY
+    return count
