@@ -357,6 +357,10 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
     if patching_disabled():
         return
+    if os.environ.get("OVERMIND_WARM_START", "").strip() == "1":
+        from overmind.warm_start import hand_off_script
+
+        hand_off_script(sys._getframe(1))  # returns only if this process should run the script itself
     caller_file = sys._getframe(1).f_globals.get("__file__")
     start = os.path.dirname(os.path.realpath(caller_file)) if caller_file else os.getcwd()
     points = [patching.PatchPoint.parse(p) for p in DEFAULT_PATCH_POINTS]

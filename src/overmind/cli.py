@@ -4,6 +4,7 @@
     overmind list [--json]          one line per cached entry
     overmind evict KEY | --all      drop an entry (KEY may be a unique prefix) or all of them
     overmind shutdown               stop the server and wait until it has stopped
+    overmind run SCRIPT [ARGS...]   run like python, forked from a warm interpreter (overmind.run)
     overmind --runtime-dir DIR ...  talk to the server in DIR (default: OVERMIND_RUNTIME_DIR,
                                     $XDG_RUNTIME_DIR/overmind, /tmp/overmind-<uid>)
 
@@ -73,8 +74,7 @@ def _format_value(name: str, value: object) -> str:
         return human_duration(value)
     if name == "loaders" and isinstance(value, list):
         ready = sum(1 for z in value if isinstance(z, dict) and z.get("ready"))
-        pids = ", ".join(str(z.get("pid")) for z in value if isinstance(z, dict))
-        return f"{len(value)} ({ready} ready)" + (f": pid {pids}" if pids else "")
+        return f"{len(value)} warm interpreters ({ready} ready)"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, (dict, list)):
@@ -94,6 +94,9 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
              "loading"]
     names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n != "bytes")
     print(_table([(name, _format_value(name, info[name])) for name in names]))
+    if info.get("loaders"):
+        print()
+        _print_interpreters(info["loaders"])
     entries = _entries(conn)
     if entries:
         print()
@@ -110,6 +113,22 @@ def _entries(conn: Connection) -> list[dict]:
     if not isinstance(entries, list) or len(entries) != reply.count:
         raise P.ProtocolError(f"entry list of {reply.count} entries arrived garbled")
     return entries
+
+
+def _print_interpreters(interpreters: list) -> None:
+    """One line per warm interpreter: what it serves and what it costs."""
+    rows = [("WARM PID", "CONTEXT", "MODULES", "PSS", "AGE", "IDLE", "RUNS", "LOADS", "PYTHON")]
+    for z in interpreters:
+        if not isinstance(z, dict):
+            continue
+        state = "" if z.get("ready") else " (starting)"
+        rows.append((f"{z.get('pid')}{state}", str(z.get("context", "")), str(z.get("modules", 0)),
+                     human_bytes(z.get("pss", 0)), human_duration(z.get("age", 0)), human_duration(z.get("idle", 0)),
+                     str(z.get("runs", 0)), str(z.get("jobs", 0)), str(z.get("python", ""))))
+    widths = [max(len(row[i]) for row in rows) for i in range(8)]
+    for row in rows:
+        print("  ".join(f"{row[i]:<{widths[i]}}" if i < 2 else f"{row[i]:>{widths[i]}}" for i in range(8))
+              + f"  {row[8]}")
 
 
 def cmd_list(conn: Connection, args: argparse.Namespace) -> int:

@@ -29,6 +29,11 @@ Standard library only (the server imports it)::
 ``OVERMIND_MAX_MEMORY``    server memory budget: ``40G``, ``512M``, ``60%`` of RAM or bytes
                            (default 50% of RAM); least recently used entries are evicted.
 ``OVERMIND_LOG_LEVEL``     server log level (default INFO).
+``OVERMIND_WARM_MAX``      warm interpreters kept at once, one per context (default 4).
+``OVERMIND_WARM_IDLE``     seconds an unused warm interpreter is kept (default 1800).
+``OVERMIND_WARM_MEMORY``   memory all warm interpreters may hold together, as PSS (default 8G).
+``OVERMIND_WARM_START``    ``1``: ``monkey_patch_all()`` at the top of a script hands the run
+                           to a warm interpreter, as ``overmind run`` does (overmind.api).
 ``OVERMIND_NO_EXT``        ``1``: install and run without the compiled ``overmind._C``
                            (read by ``setup.py`` and ``overmind.native``).
 =========================  =========================================================
@@ -53,7 +58,20 @@ ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "CUDA_", "
                 "OMP_", "MKL_", "BNB_", "ACCELERATE_", "SAFETENSORS_", "TOKENIZERS_", "XDG_", "LC_")
 ENV_NAMES = ("HOME", "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHASHSEED", "VIRTUAL_ENV", "LANG",
              "TMPDIR", "USER", "LOGNAME", "TZ", "OVERMIND_NO_EXT", "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE",
-             "PYTHONUSERBASE", "PYTHONSAFEPATH", "PYTHONPYCACHEPREFIX", "PYTHONWARNINGS")
+             "PYTHONUSERBASE", "PYTHONSAFEPATH", "PYTHONPYCACHEPREFIX", "PYTHONWARNINGS", "PYTHONHOME",
+             "PYTHONPLATLIBDIR", "PYTHONOPTIMIZE", "PYTHONDEBUG", "PYTHONVERBOSE", "PYTHONDEVMODE",
+             "PYTHONTRACEMALLOC", "PYTHONMALLOC", "PYTHONMALLOCSTATS", "PYTHONWARNDEFAULTENCODING",
+             "PYTHONNODEBUGRANGES", "PYTHONINSPECT", "PYTHONPROFILEIMPORTTIME", "PYTHONCASEOK", "PYTHONEXECUTABLE",
+             "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONCOERCECLOCALE")
+
+# Note [Environment that selects an interpreter]
+# A warm interpreter (overmind.zygote) imported its modules under its own environment, so it
+# serves only clients that agree with it on what can change an import: ENV_PREFIXES (libraries
+# read HF_HUB_OFFLINE, TORCH_*, OMP_NUM_THREADS... when imported) and ENV_NAMES (what CPython
+# reads at start: PYTHONPATH, PYTHONHASHSEED...; and the locale). Everything else (a script's
+# own settings, DISPLAY, SSH_*, terminal variables) reaches each run through its own
+# environment but does not select an interpreter: no installed library reads those at
+# import time, and keying on them would start an interpreter per terminal.
 
 
 class ConfigError(ValueError):
@@ -202,9 +220,10 @@ class Config:
     ``monkey_patch_all()`` imports this module, and dataclasses + pathlib would double its cost."""
 
     __slots__ = ("runtime_dir", "disable", "strict", "timeout", "reply_timeout", "loader_timeout", "workers",
-                 "autostart", "cold_wait", "log_level", "max_memory")
+                 "autostart", "cold_wait", "log_level", "max_memory", "warm_max", "warm_idle", "warm_memory")
     _DEFAULTS = {"disable": False, "strict": False, "timeout": 300.0, "reply_timeout": 2.0, "loader_timeout": 3600.0,
-                 "workers": 2, "autostart": True, "cold_wait": False, "log_level": "INFO", "max_memory": None}
+                 "workers": 2, "autostart": True, "cold_wait": False, "log_level": "INFO", "max_memory": None,
+                 "warm_max": 4, "warm_idle": 1800.0, "warm_memory": 8 << 30}
 
     runtime_dir: Path
     disable: bool
@@ -217,6 +236,9 @@ class Config:
     cold_wait: bool
     log_level: str
     max_memory: Optional[int]  # bytes; None: overmind.registry.default_budget()
+    warm_max: int  # warm interpreters at once
+    warm_idle: float  # seconds before an unused one is retired
+    warm_memory: int  # bytes of PSS all of them together may hold
 
     def __init__(self, runtime_dir: Path, **values) -> None:
         unknown = set(values) - set(self._DEFAULTS)
@@ -256,6 +278,9 @@ class Config:
             cold_wait=env.get("OVERMIND_COLD", "background").strip().lower() == "wait" or _flag(env, "OVERMIND_STRICT"),
             log_level=env.get("OVERMIND_LOG_LEVEL", "INFO").upper(),
             max_memory=_size(env, "OVERMIND_MAX_MEMORY"),
+            warm_max=int(_number(env, "OVERMIND_WARM_MAX", 4, 1)),
+            warm_idle=_number(env, "OVERMIND_WARM_IDLE", 1800.0, 1.0),
+            warm_memory=_size(env, "OVERMIND_WARM_MEMORY") or 8 << 30,
         )
 
     @property

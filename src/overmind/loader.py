@@ -1,9 +1,8 @@
 """Loader processes: run the original loader and hand the result to the server.
 
-Started by the server (``overmind.loader_pool``), never by users. A *zygote* runs in
-the requesting client's context, imports torch once, then forks one child per job::
+Runs in a child forked from a warm interpreter (``overmind.zygote``), one per cold load::
 
-    zygote_main(control_fd)     # LoaderReady, then Job -> fork -> JobStarted, forever
+    run_job(job, blob, job_sock)     # -> JobResult or JobFailed on job_sock; the exit code
 
 The child unpickles the call (rebuilding ``vae=vae``-style arguments from the cache),
 calls the original, unpatched loader, strips what does not survive pickling
@@ -14,10 +13,8 @@ in ``overmind.loader_pool``.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import signal
 import socket
 import sys
 import time
@@ -28,57 +25,9 @@ from overmind import protocol as P
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["zygote_main", "run_job"]
+__all__ = ["run_job", "FileObserver"]
 
-PREIMPORT = ("torch",)
 MAX_CONTENTS = 8000  # content records a result carries (~70 bytes each)
-
-
-def _preimport(modules) -> list[str]:
-    done = []
-    for name in modules:
-        try:
-            importlib.import_module(name)
-            done.append(name)
-        except Exception as err:  # a missing optional library only costs the child an import
-            logger.debug("pre-import of %s failed: %s", name, err)
-    return done
-
-
-def zygote_main(control_fd: int) -> None:
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
-    control = socket.socket(fileno=control_fd)
-    imported = _preimport(PREIMPORT)
-    import overmind.reductions  # noqa: F401  (pulls torch-side helpers in before forking)
-    import overmind.quirks  # noqa: F401
-
-    P.send_message(control, P.LoaderReady(os.getpid(), imported))
-    while True:
-        try:
-            message, blob, fds = P.recv_message(control)
-        except (EOFError, ConnectionResetError, P.ProtocolError):
-            # The server went away: take any running job with us (the zygote leads its own
-            # process group, see loader_pool), so no orphan keeps memory or a GPU.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-            os._exit(0)
-        if not isinstance(message, P.Job) or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            os._exit(2)
-        _preimport(message.modules)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                control.close()
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                with socket.socket(fileno=fds[0]) as job_sock:
-                    code = run_job(message, blob, job_sock)
-            finally:
-                os._exit(code)
-        os.close(fds[0])
-        P.send_message(control, P.JobStarted(message.key, pid))
 
 
 def _state_of(obj: Any) -> Any:

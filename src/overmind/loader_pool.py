@@ -1,12 +1,17 @@
-"""Server side of loader processes: one zygote per client context. Standard library only.
+"""Server side of warm interpreters: one per client context, for loads and runs. Standard library only.
 
-A *context* is where a client's load must run: its interpreter, working directory,
-``sys.path`` and the environment variables that shape loading. For each context the
-server keeps a zygote, ``python -m``-started in that context, which imports torch
-(and, as jobs ask, diffusers/transformers) once and then forks one short-lived child
-per load (``overmind.loader``). A cold load therefore pays neither interpreter
-start-up nor library imports, and every load still runs in a fresh process that
-exits when done.
+    pool = LoaderPool(config)
+    result, skeleton, fds = pool.run(key, context, cwd, sys_path, blob)   # a cold load
+    pid = pool.fork_run(context, spec, [stdin, stdout, stderr, conn])      # overmind run
+
+A *context* is the interpreter and the environment that can change an import. For each
+the server keeps a warm interpreter (``overmind.zygote``, a "zygote") that imported torch
+and the installed modules the context's earlier loads and runs imported, and forks one
+child per cold load (``overmind.loader``) or run (``overmind.warm``). A cold load thus
+pays neither interpreter start-up nor library imports, and a run starts in a fork. The
+pool is bounded in count (``OVERMIND_WARM_MAX``), memory (``OVERMIND_WARM_MEMORY``, PSS)
+and idle time (``OVERMIND_WARM_IDLE``); retiring an interpreter never kills a load or run
+in progress (Note [Retiring never kills work] in overmind.zygote).
 
 Note [Zygotes never touch CUDA]
 A process that initialised CUDA cannot fork usable children, so the zygote only
@@ -34,10 +39,12 @@ from overmind.config import ENV_NAMES, ENV_PREFIXES, Config, open_runtime_file
 
 logger = logging.getLogger("overmind.server.loaders")
 
-__all__ = ["Context", "LoaderPool", "LoadFailure", "context_from_wire", "ENV_PREFIXES", "ENV_NAMES"]
+__all__ = ["Context", "LoaderPool", "LoadFailure", "RunRefused", "context_from_wire", "run_from_wire",
+           "ENV_PREFIXES", "ENV_NAMES"]
 
-MAX_ZYGOTES = 4
 READY_TIMEOUT = 300.0
+FORK_TIMEOUT = 30.0  # a Fork waits at most for one learned module's import (Note [Warm interpreters learn])
+MAX_LEARNED = 10000
 
 
 class LoadFailure(Exception):
@@ -50,62 +57,96 @@ class LoadFailure(Exception):
 
 @dataclass(frozen=True)
 class Context:
+    """Which warm interpreter serves a client: the interpreter and the environment that can
+    change what an import does (Note [Environment that selects an interpreter] in overmind.config).
+    Not the cwd or sys.path: a warm interpreter holds only installed code (Note [Warm
+    interpreters] in overmind.zygote); each load or run brings its own."""
+
     python: str
-    cwd: str
-    sys_path: tuple
     env: tuple  # sorted (name, value) pairs
 
     @property
     def key(self) -> str:
-        raw = json.dumps([self.python, self.cwd, list(self.sys_path), list(self.env)]).encode()
+        # .venv/bin/python and .venv/bin/python3 are one interpreter with one venv: the folder
+        # (where a venv is found) and the binary the name resolves to, not the name.
+        python = [os.path.dirname(self.python), os.path.realpath(self.python)]
+        raw = json.dumps([python, list(self.env)]).encode()
         return hashlib.sha256(raw).hexdigest()[:16]
 
 
-def context_from_wire(data: dict) -> Context:
-    """Validate a client's context (Note [Frames are untrusted] in overmind.protocol)."""
+def _check_context(data: dict) -> Context:
     try:
-        python, cwd, sys_path, env = data["python"], data["cwd"], data["sys_path"], data["env"]
+        python, env = data["python"], data["env"]
     except (KeyError, TypeError):
-        raise LoadFailure(P.ErrorCode.BAD_REQUEST, "context needs python, cwd, sys_path and env") from None
+        raise LoadFailure(P.ErrorCode.BAD_REQUEST, "context needs python and env") from None
     if not (isinstance(python, str) and os.path.isabs(python) and os.access(python, os.X_OK)):
         raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"context python {python!r} is not an executable absolute path")
+    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise LoadFailure(P.ErrorCode.BAD_REQUEST, "context env must map strings to strings")
+    kept = {k: v for k, v in env.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    return Context(python, tuple(sorted(kept.items())))
+
+
+def context_from_wire(data: dict) -> tuple[Context, str, list]:
+    """A load's context, its cwd and sys.path, validated (Note [Frames are untrusted] in overmind.protocol)."""
+    context = _check_context(data)
+    cwd, sys_path = data.get("cwd"), data.get("sys_path")
     if not (isinstance(cwd, str) and os.path.isdir(cwd)):
         raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"context cwd {cwd!r} is not a directory")
     if not (isinstance(sys_path, list) and all(isinstance(p, str) for p in sys_path)):
         raise LoadFailure(P.ErrorCode.BAD_REQUEST, "context sys_path must be a list of strings")
-    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-        raise LoadFailure(P.ErrorCode.BAD_REQUEST, "context env must map strings to strings")
-    kept = {k: v for k, v in env.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
-    return Context(python, cwd, tuple(sys_path), tuple(sorted(kept.items())))
+    return context, cwd, sys_path
+
+
+def run_from_wire(context: dict, spec: dict) -> tuple[Context, dict]:
+    """A run's context and spec, validated; the spec's details are overmind.warm's to check."""
+    ctx = _check_context(context)
+    if not isinstance(spec, dict) or spec.get("mode") not in ("script", "module", "code") or \
+            not isinstance(spec.get("target"), str) or not isinstance(spec.get("cwd"), str) or \
+            not isinstance(spec.get("argv"), list) or not isinstance(spec.get("env"), dict) or \
+            not isinstance(spec.get("umask"), int):
+        raise LoadFailure(P.ErrorCode.BAD_REQUEST, "a run needs mode, target, argv, cwd, env and umask")
+    return ctx, spec
+
+
+class RunRefused(Exception):
+    """No warm run now; the front end runs plainly (Note [Never worse than plain python] in overmind.run)."""
 
 
 class Zygote:
-    """One pre-imported loader process for a context; forks a child per job."""
+    """One warm interpreter for a context (overmind.zygote); forks a child per load or run."""
 
-    def __init__(self, context: Context, config: Config) -> None:
+    def __init__(self, context: Context, config: Config, modules: list) -> None:
         self.context = context
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(context.env)
-        env["OVERMIND_DISABLE"] = "1"  # a loader calls originals; it never patches
+        env["OVERMIND_DISABLE"] = "1"  # a warm interpreter calls originals; it never patches
         env["OVERMIND_RUNTIME_DIR"] = str(config.runtime_dir)
-        code = (f"import sys; sys.path[:] = {list(context.sys_path)!r}; "
-                f"from overmind.loader import zygote_main; zygote_main({theirs.fileno()})")
+        code = f"from overmind.zygote import zygote_main; zygote_main({theirs.fileno()})"
         log = os.fdopen(open_runtime_file(config.log_path, os.O_WRONLY | os.O_APPEND), "ab")
         try:
             self.proc = subprocess.Popen(
-                [context.python, "-c", code], cwd=context.cwd, env=env, pass_fds=[theirs.fileno()],
+                [context.python, "-c", code], cwd="/", env=env, pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             )
         finally:
             log.close()
             theirs.close()
         self.sock = ours
+        self.sock.settimeout(READY_TIMEOUT)
+        P.send_message(self.sock, P.Warm(list(modules)))
         self.lock = threading.Lock()
         self.ready = False
+        self.retired = False
         self.imported: list = []
+        self.learned: list = []  # what its runs imported beyond its pre-imports
+        self.modules = 0
         self.jobs = 0
+        self.runs = 0
+        self.started = time.time()
         self.last_used = time.time()
-        logger.info("started zygote pid %d for context %s (cwd %s)", self.proc.pid, context.key, context.cwd)
+        logger.info("started warm interpreter pid %d for context %s (%s, %d modules to import)", self.proc.pid,
+                    context.key, context.python, len(modules))
 
     @property
     def alive(self) -> bool:
@@ -114,96 +155,161 @@ class Zygote:
     def _wait_ready(self) -> None:
         self.sock.settimeout(READY_TIMEOUT)
         message, _, fds = P.recv_message(self.sock, max_blob=0)
-        for fd in fds:
-            os.close(fd)
-        ready = P.expect(message, P.LoaderReady, "from a zygote")
+        _close(fds)
+        ready = P.expect(message, P.LoaderReady, "from a warm interpreter")
         self.imported = list(ready.imported)
         self.ready = True
-        logger.info("zygote %d ready (imported %s)", self.proc.pid, ", ".join(self.imported) or "nothing")
+        logger.info("warm interpreter %d ready (imported %d modules)", self.proc.pid, len(self.imported))
 
-    def start_job(self, key: str, blob: bytes, modules: list) -> tuple[socket.socket, int]:
+    def _start(self, message: P.Message, blob: bytes, fds: list[int], timeout: float) -> P.JobStarted:
+        """Send a Job or Fork and read its JobStarted (or a RemoteError)."""
         with self.lock:
+            if self.retired:
+                raise RunRefused("this warm interpreter is retiring")
             if not self.ready:
                 self._wait_ready()
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                P.send_message(self.sock, P.Job(key, list(self.context.sys_path), modules=modules), blob,
-                               fds=[theirs.fileno()])
-            finally:
-                theirs.close()
-            self.sock.settimeout(READY_TIMEOUT)  # the zygote may import the job's modules first
-            message, _, fds = P.recv_message(self.sock, max_blob=0)
-            for fd in fds:
-                os.close(fd)
-            started = P.expect(message, P.JobStarted, "from a zygote")
-            self.jobs += 1
+            P.send_message(self.sock, message, blob, fds=fds)
+            self.sock.settimeout(timeout)
+            reply, _, got = P.recv_message(self.sock, max_blob=0)
+            _close(got)
+            if isinstance(reply, P.JobFailed):
+                raise P.RemoteError(reply.code, reply.message, reply.traceback)
+            started = P.expect(reply, P.JobStarted, "from a warm interpreter")
+            self.modules = started.modules
+            self.learned = list(started.learned)
             self.last_used = time.time()
-            return ours, started.pid
+            return started
 
-    def close(self) -> None:
+    def start_job(self, key: str, blob: bytes, modules: list, sys_path: list, cwd: str
+                  ) -> tuple[socket.socket, int]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the zygote and any job still running
+            # READY_TIMEOUT: the interpreter may import the job's modules first
+            started = self._start(P.Job(key, sys_path, cwd=cwd, modules=modules), blob, [theirs.fileno()],
+                                  READY_TIMEOUT)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.jobs += 1
+        return ours, started.pid
+
+    def fork_run(self, spec: dict, fds: list[int]) -> int:
+        started = self._start(P.Fork(spec), b"", fds, FORK_TIMEOUT)
+        self.runs += 1
+        return started.pid
+
+    def pss(self) -> int:
+        """Proportional set size in bytes (its share of pages shared with its children), 0 if unknown."""
+        try:
+            with open(f"/proc/{self.proc.pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return 0
+
+    def retire(self) -> None:
+        """Note [Retiring never kills work] in overmind.zygote: no new forks; it exits when its
+        loads and runs are done. Reaped in the background."""
+        with self.lock:
+            if self.retired:
+                return
+            self.retired = True
+            try:
+                self.sock.settimeout(1.0)
+                P.send_message(self.sock, P.Retire())
+            except OSError:
+                pass
+            self.sock.close()
+        threading.Thread(target=self.proc.wait, daemon=True, name="overmind-reap").start()
+
+    def kill(self) -> None:
+        """Only for one that never became ready: nothing of the user's can be running in it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self.sock.close()
+        self.retire()
 
 
 class LoaderPool:
+    """The warm interpreters, one per context, bounded in count, memory and idle time."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.lock = threading.Lock()
         self.zygotes: "OrderedDict[str, Zygote]" = OrderedDict()
+        self.learned: dict[str, list] = {}  # context key -> installed modules its runs and loads imported
+        self.retired = 0
 
-    def _zygote(self, context: Context) -> Zygote:
+    def _modules_for(self, context: Context) -> list:
+        return list(self.learned.get(context.key, ()))
+
+    def _remember(self, zygote: Zygote) -> None:
+        known = self.learned.setdefault(zygote.context.key, [])
+        for name in [*zygote.imported, *zygote.learned]:
+            if name not in known and len(known) < MAX_LEARNED:
+                known.append(name)
+
+    def _zygote(self, context: Context, create: bool = True) -> Zygote | None:
         with self.lock:
             zygote = self.zygotes.get(context.key)
             if zygote is not None and not zygote.alive:
-                logger.warning("zygote %d for context %s died (exit %s); starting another",
+                logger.warning("warm interpreter %d for context %s died (exit %s); starting another",
                                zygote.proc.pid, context.key, zygote.proc.returncode)
-                zygote.close()
+                del self.zygotes[context.key]
+                zygote.retire()
                 zygote = None
-            if zygote is None:
-                zygote = self.zygotes[context.key] = Zygote(context, self.config)
-            self.zygotes.move_to_end(context.key)
-            while len(self.zygotes) > MAX_ZYGOTES:
-                _, oldest = self.zygotes.popitem(last=False)
-                oldest.close()
-            return zygote
+            if zygote is None and create:
+                zygote = self.zygotes[context.key] = Zygote(context, self.config, self._modules_for(context))
+            if zygote is not None:
+                self.zygotes.move_to_end(context.key)
+            victims = []
+            while len(self.zygotes) > self.config.warm_max:
+                victims.append(self.zygotes.popitem(last=False)[1])
+        for victim in victims:
+            self._retire(victim, "over OVERMIND_WARM_MAX")
+        return zygote
 
-    def prepare(self, context: Context) -> None:
-        """Have a ready zygote for ``context`` (clients ask right after monkey_patch_all())."""
-        try:
-            zygote = self._zygote(context)
-            with zygote.lock:
-                if not zygote.ready:
-                    zygote._wait_ready()
-        except Exception as err:  # a later load retries and reports properly
-            logger.warning("preparing a loader for context %s failed: %s", context.key, err)
-
-    def _discard(self, zygote: Zygote) -> None:
+    def _retire(self, zygote: Zygote, why: str) -> None:
         with self.lock:
             if self.zygotes.get(zygote.context.key) is zygote:
                 del self.zygotes[zygote.context.key]
-        zygote.close()
+            self._remember(zygote)
+            self.retired += 1
+        logger.info("retiring warm interpreter %d (%s)", zygote.proc.pid, why)
+        zygote.retire()
 
-    def run(self, key: str, context: Context, blob: bytes, modules: list = ()
+    def prepare(self, context: Context) -> None:
+        """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all())."""
+        try:
+            zygote = self._zygote(context)
+            with zygote.lock:
+                if not zygote.ready and not zygote.retired:
+                    zygote._wait_ready()
+        except Exception as err:  # a later load retries and reports properly
+            logger.warning("preparing a warm interpreter for context %s failed: %s", context.key, err)
+
+    def run(self, key: str, context: Context, cwd: str, sys_path: list, blob: bytes, modules: list = ()
             ) -> tuple[P.JobResult, bytes, list[int]]:
         """Run one load; returns (result, skeleton, segment fds) or raises LoadFailure."""
         for attempt in (1, 2):
             zygote = self._zygote(context)
             try:
-                job, pid = zygote.start_job(key, blob, list(modules))
+                job, pid = zygote.start_job(key, blob, list(modules), sys_path, cwd)
                 break
-            except (OSError, EOFError, P.ProtocolError, P.RemoteError) as err:
-                logger.warning("zygote %d failed to start job %s: %s", zygote.proc.pid, key[:16], err)
-                self._discard(zygote)
+            except (OSError, EOFError, P.ProtocolError, P.RemoteError, RunRefused) as err:
+                logger.warning("warm interpreter %d could not start job %s: %s", zygote.proc.pid, key[:16], err)
+                if zygote.ready:
+                    self._retire(zygote, str(err))
+                else:
+                    self._discard(zygote)
                 if attempt == 2:
                     raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
-                                      f"could not start a loader in {context.cwd} with {context.python}: {err}; "
+                                      f"could not start a loader with {context.python}: {err}; "
                                       f"see {self.config.log_path}") from None
         with job:
             job.settimeout(self.config.loader_timeout)
@@ -220,15 +326,56 @@ class LoaderPool:
                                   f"loader pid {pid} died before answering ({err}); a crash or a kill "
                                   f"(out of memory?); see {self.config.log_path}") from None
         if isinstance(message, P.JobFailed):
-            for fd in fds:
-                os.close(fd)
+            _close(fds)
             raise LoadFailure(message.code, message.message, message.traceback)
         if not isinstance(message, P.JobResult) or len(fds) != len(message.sizes) or \
                 len(message.slots) != len(fds) or not all(0 <= s < message.nslots for s in message.slots):
-            for fd in fds:
-                os.close(fd)
+            _close(fds)
             raise LoadFailure(P.ErrorCode.INTERNAL, f"malformed answer from loader pid {pid}")
         return message, skeleton, fds
+
+    def fork_run(self, context: Context, spec: dict, fds: list[int]) -> int:
+        """Fork a run from the context's ready interpreter; its pid, or RunRefused (and one is
+        made ready for next time)."""
+        zygote = self._zygote(context, create=False)
+        if zygote is None or not zygote.ready:
+            if zygote is None:
+                threading.Thread(target=self.prepare, args=(context,), daemon=True, name="overmind-prepare").start()
+            raise RunRefused("no warm interpreter for this context yet; one is starting")
+        try:
+            return zygote.fork_run(spec, fds)
+        except P.RemoteError as err:
+            self._retire(zygote, err.message)
+            threading.Thread(target=self.prepare, args=(context,), daemon=True, name="overmind-prepare").start()
+            raise RunRefused(f"the warm interpreter cannot fork ({err.message}); a fresh one is starting") from None
+        except (OSError, EOFError, P.ProtocolError) as err:
+            self._retire(zygote, str(err))
+            raise RunRefused(f"the warm interpreter failed ({err})") from None
+
+    def housekeeping(self) -> None:
+        """Retire interpreters idle past OVERMIND_WARM_IDLE, then the least recently used while
+        their memory exceeds OVERMIND_WARM_MEMORY."""
+        now = time.time()
+        with self.lock:
+            zygotes = list(self.zygotes.values())
+        for zygote in zygotes:
+            if zygote.ready and now - zygote.last_used > self.config.warm_idle:
+                self._retire(zygote, f"idle for {now - zygote.last_used:.0f}s")
+        with self.lock:
+            zygotes = list(self.zygotes.values())  # least recently used first
+        sizes = {z.proc.pid: z.pss() for z in zygotes}
+        total = sum(sizes.values())
+        for zygote in zygotes[:-1]:  # the most recent one stays, whatever its size
+            if total <= self.config.warm_memory:
+                break
+            total -= sizes[zygote.proc.pid]
+            self._retire(zygote, "over OVERMIND_WARM_MEMORY")
+
+    def _discard(self, zygote: Zygote) -> None:
+        with self.lock:
+            if self.zygotes.get(zygote.context.key) is zygote:
+                del self.zygotes[zygote.context.key]
+        zygote.kill()
 
     @staticmethod
     def _kill(pid: int) -> None:
@@ -238,13 +385,27 @@ class LoaderPool:
             pass
 
     def describe(self) -> list:
+        now = time.time()
         with self.lock:
-            return [{"pid": z.proc.pid, "context": k, "cwd": z.context.cwd, "ready": z.ready, "jobs": z.jobs,
-                     "alive": z.alive} for k, z in self.zygotes.items()]
+            zygotes = list(self.zygotes.items())
+        return [{"pid": z.proc.pid, "context": k, "python": z.context.python, "ready": z.ready, "alive": z.alive,
+                 "modules": z.modules or len(z.imported), "pss": z.pss(), "age": now - z.started,
+                 "idle": now - z.last_used, "jobs": z.jobs, "runs": z.runs} for k, z in zygotes]
 
     def close(self) -> None:
         with self.lock:
             zygotes = list(self.zygotes.values())
             self.zygotes.clear()
         for zygote in zygotes:
-            zygote.close()
+            if zygote.ready:
+                zygote.retire()
+            else:
+                zygote.kill()
+
+
+def _close(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

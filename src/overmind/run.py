@@ -30,7 +30,7 @@ import sys
 from overmind import protocol as P
 from overmind.config import Config, ConfigError
 
-__all__ = ["main", "parse", "run_spec", "hand_off"]
+__all__ = ["main", "command", "parse", "run_spec", "hand_off", "wait_for", "exit_like"]
 
 USAGE = "usage: overmind run [--python PATH] (SCRIPT | -m MODULE | -c CODE) [ARGS...]"
 
@@ -38,6 +38,10 @@ USAGE = "usage: overmind run [--python PATH] (SCRIPT | -m MODULE | -c CODE) [ARG
 _GROUP_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP, signal.SIGCONT, signal.SIGWINCH)
 # Signals someone sends to this process (kill, a supervisor): forwarded to the child itself.
 _PROCESS_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
+_FORWARDED = _GROUP_SIGNALS + _PROCESS_SIGNALS
+
+
+START_GRACE = 3.0
 
 
 class UsageError(ValueError):
@@ -80,8 +84,11 @@ def run_spec(mode: str, target: str, args: list[str]) -> dict:
     """What the warm child needs to become ``python <mode> <target> <args>`` (overmind.warm.become)."""
     umask = os.umask(0o022)
     os.umask(umask)
+    # A plain python inherits the dispositions its shell set to SIG_IGN (nohup, `cmd &`).
+    ignored = [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
+               and signal.getsignal(s) == signal.SIG_IGN]
     return {"mode": mode, "target": target, "argv": list(args), "cwd": os.getcwd(), "env": dict(os.environ),
-            "umask": umask}
+            "umask": umask, "ignored_signals": ignored}
 
 
 def run_context(python: str) -> dict:
@@ -122,7 +129,20 @@ def _connect(config: Config) -> socket.socket:
 
 
 def hand_off(python: str, spec: dict, config: Config) -> tuple[socket.socket, int] | None:
-    """Ask the server to fork the run; (connection, child pid), or None to run plainly."""
+    """Ask the server to fork the run; (connection, child pid), or None to run plainly.
+
+    The forwarded signals stay blocked from here until :func:`wait_for` can forward them: the
+    child may be running (and the user pressing Ctrl-C) before its pid reaches us. On None
+    they are unblocked again, and one that came meanwhile acts on this process as it would have.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
+    started = _hand_off(python, spec, config)
+    if started is None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
+    return started
+
+
+def _hand_off(python: str, spec: dict, config: Config) -> tuple[socket.socket, int] | None:
     try:
         sock = _connect(config)
     except (FileNotFoundError, ConnectionRefusedError):
@@ -133,7 +153,10 @@ def hand_off(python: str, spec: dict, config: Config) -> tuple[socket.socket, in
         return None
     try:
         P.send_message(sock, P.Run(run_context(python), spec), fds=[0, 1, 2])
-        message, _, fds = P.recv_message(sock, max_blob=0, frame_timeout=config.reply_timeout)
+        # A warm interpreter may finish importing one module first (Note [Warm interpreters learn] in
+        # overmind.zygote). Giving up is safe: it forks nothing for a front end that left.
+        sock.settimeout(config.reply_timeout + START_GRACE)
+        message, _, fds = P.recv_message(sock, max_blob=0, frame_timeout=config.reply_timeout + START_GRACE)
         for fd in fds:
             os.close(fd)
     except (OSError, P.ProtocolError, EOFError):
@@ -161,8 +184,9 @@ def wait_for(sock: socket.socket, pid: int) -> int:
             os.kill(os.getpid(), signal.SIGTSTP)
             signal.signal(signal.SIGTSTP, forward)
 
-    for signum in _GROUP_SIGNALS + _PROCESS_SIGNALS:
+    for signum in _FORWARDED:
         signal.signal(signum, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # blocked since hand_off: forwarded now
     sock.settimeout(None)
     while True:
         try:
@@ -178,7 +202,7 @@ def wait_for(sock: socket.socket, pid: int) -> int:
             return message.status
 
 
-def exit_like(status: int) -> "NoReturn":  # noqa: F821
+def exit_like(status: int) -> None:
     """Leave as the child did: its exit code, or death by its signal (the shell then reports 128+n)."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -213,6 +237,15 @@ def main(argv: list[str]) -> int:
     sock, pid = started
     exit_like(wait_for(sock, pid))
     return 1  # unreachable
+
+
+def command() -> int:
+    """The ``overmind`` console script: ``run`` stays here, light; the rest is overmind.cli."""
+    if sys.argv[1:2] == ["run"]:
+        return main(sys.argv[2:])
+    from overmind.cli import main as cli_main
+
+    return cli_main(sys.argv[1:])
 
 
 if __name__ == "__main__":

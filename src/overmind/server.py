@@ -39,14 +39,13 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Optional
 
 from overmind import __version__
 from overmind import protocol as P
 from overmind.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
                              write_runtime_file)
-from overmind.loader_pool import LoaderPool, LoadFailure, context_from_wire
+from overmind.loader_pool import LoaderPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
 from overmind.registry import CacheEntry, Flight, Registry, Reply, TooLarge
 
 logger = logging.getLogger("overmind.server")
@@ -75,6 +74,7 @@ MAX_KEY = 64  # keys are xxh3-128 hex digests (overmind.calls): 32 characters
 MAX_TEXT = 1000
 MAX_LIST = 256
 SOCKET_CHECK_INTERVAL = 0.5
+HOUSEKEEPING_INTERVAL = 10.0  # warm interpreters: idle time and memory (LoaderPool.housekeeping)
 
 
 class AlreadyRunning(ConfigError):
@@ -101,6 +101,7 @@ class Server:
         self.busy_refusals = 0
         self.socket_id: Optional[tuple[int, int]] = None
         self.socket_rebinds = 0
+        self.runs = 0
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 
@@ -171,11 +172,14 @@ class Server:
 
     def serve(self) -> None:
         assert self.listener is not None
-        last_check = time.monotonic()
+        last_check = last_housekeeping = time.monotonic()
         while not self.stopping.is_set():
             if time.monotonic() - last_check >= SOCKET_CHECK_INTERVAL:
                 last_check = time.monotonic()
                 self._check_socket()
+                if time.monotonic() - last_housekeeping >= HOUSEKEEPING_INTERVAL:
+                    last_housekeeping = time.monotonic()
+                    threading.Thread(target=self.loaders.housekeeping, daemon=True, name="overmind-housekeeping").start()
             try:
                 conn, _ = self.listener.accept()
             except socket.timeout:
@@ -268,12 +272,18 @@ class Server:
                                                             frame_timeout=FRAME_TIMEOUT)
                     except socket.timeout:
                         return  # idle: the client reconnects when it needs us again
-                    self._drop(fds)  # clients never send fds
+                    if not isinstance(message, P.Run):
+                        self._drop(fds)  # only a run brings fds: its stdio
+                        fds = []
                     conn.settimeout(FRAME_TIMEOUT)  # replies to a peer that stopped reading give up too
                     with self.active_lock:
                         self.active += 1
                     try:
-                        self._dispatch(conn, message, blob, pid)
+                        if isinstance(message, P.Run):
+                            if self._run(conn, message, fds, pid):
+                                return  # the warm interpreter has the connection now
+                        else:
+                            self._dispatch(conn, message, blob, pid)
                     finally:
                         del blob
                         with self.active_lock:
@@ -331,7 +341,7 @@ class Server:
             P.send_message(conn, P.Evicted(self.registry.evict(keys)))
         elif isinstance(message, P.Prepare):
             try:
-                context = context_from_wire(message.context)
+                context, _, _ = context_from_wire(message.context)
             except LoadFailure as failure:
                 return self._reply_error(conn, failure.code, failure.message)
             threading.Thread(target=self.loaders.prepare, args=(context,), daemon=True,
@@ -344,11 +354,30 @@ class Server:
         else:
             raise P.ProtocolError(f"unexpected {type(message).__name__} from a client")
 
+    def _run(self, conn: socket.socket, message: P.Run, fds: list[int], pid: int) -> bool:
+        """``overmind run``: hand the connection and the caller's stdio to a warm interpreter.
+        True once handed over; else the front end got RunRefused and runs plainly."""
+        try:
+            if len(fds) != 3:
+                raise RunRefused(f"a run brings its stdin, stdout and stderr, not {len(fds)} fds")
+            context, spec = run_from_wire(message.context, message.spec)
+            child = self.loaders.fork_run(context, spec, [*fds, conn.fileno()])
+        except (RunRefused, LoadFailure) as why:
+            reason = why.message if isinstance(why, LoadFailure) else str(why)
+            logger.info("run for pid %d goes plain: %s", pid, reason)
+            P.send_message(conn, P.RunRefused(reason[:MAX_TEXT]))
+            return False
+        finally:
+            self._drop(fds)
+        self.runs += 1
+        logger.info("run for pid %d forked as pid %d", pid, child)
+        return True
+
     def status(self) -> dict:
         info = {"pid": os.getpid(), "version": __version__, "uptime": time.time() - self.started,
                 **self.registry.counters(), "refused_connections": self.refused,
                 "busy_refusals": self.busy_refusals, "connections": self.connections,
-                "socket": str(self.config.socket_path), "socket_rebinds": self.socket_rebinds,
+                "socket": str(self.config.socket_path), "socket_rebinds": self.socket_rebinds, "runs": self.runs,
                 "torch_imported": "torch" in sys.modules}
         info["bytes"] = info["used"] = self.registry.used()
         info["loaders"] = self.loaders.describe()
@@ -428,11 +457,11 @@ class Server:
             self.registry.finish(request.key, flight, remember=remember)
 
     def _run_load(self, request: P.Load, blob: bytes, pid: int) -> CacheEntry:
-        context = context_from_wire(request.context)
+        context, cwd, sys_path = context_from_wire(request.context)
         started = time.monotonic()
         with self.load_slots:
             logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)
-            result, skeleton, fds = self.loaders.run(request.key, context, blob, request.modules)
+            result, skeleton, fds = self.loaders.run(request.key, context, cwd, sys_path, blob, request.modules)
         # The loader sends its new segments and, after them, those of other entries that hold some
         # of its storages already (Note [Stored once by content] in overmind.reductions).
         slots: list = [None] * result.nslots

@@ -14,6 +14,7 @@ import json
 import os
 import py_compile
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +48,10 @@ signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
 wake_r, wake_w = os.pipe(); os.set_blocking(wake_w, False); signal.set_wakeup_fd(wake_w)
 import faulthandler; faulthandler.enable()
 sys.stdout.write("ZYGOTE OUTPUT\n")    # left in the zygote's stdout buffer, never flushed
+import weakref
+class Shared: pass
+shared = Shared()                  # say, a temporary directory made at import, for all runs
+weakref.finalize(shared, os.write, 2, b"ZYGOTE FINALIZER RAN\n")
 
 ctl = socket.socket(fileno=int(sys.argv[1]))
 gc.freeze()                       # what a zygote does before forking (Note in warm.py)
@@ -187,17 +192,23 @@ def command(mode: str, target: str, args: tuple[str, ...]) -> list[str]:
 
 
 def warm_run(zygote: Zygote, mode: str, target: str, *args: str, cwd: Path, env: dict | None = None,
-             umask: int = 0o022, unfreeze: bool = False, low_fds: bool = False, **stdio) -> Ran:
+             umask: int = 0o022, ignored: tuple[int, ...] = (), unfreeze: bool = False,
+             low_fds: bool = False, **stdio) -> Ran:
     spec = {"mode": mode, "target": target, "argv": list(args), "cwd": str(cwd),
-            "env": RUN_ENV if env is None else env, "umask": umask}
+            "env": RUN_ENV if env is None else env, "umask": umask, "ignored_signals": list(ignored)}
     return run(lambda fds: zygote.launch(spec, fds, unfreeze, low_fds), **stdio)
 
 
 def cold_run(mode: str, target: str, *args: str, cwd: Path, env: dict | None = None,
-             umask: int = 0o022, **stdio) -> Ran:
+             umask: int = 0o022, ignored: tuple[int, ...] = (), **stdio) -> Ran:
+    def ignore() -> None:  # what nohup or a shell's background job does before exec
+        for sig in ignored:
+            signal.signal(sig, signal.SIG_IGN)
+
     def launch(fds):
         proc = subprocess.Popen([sys.executable, *command(mode, target, args)], cwd=cwd,
                                 env=RUN_ENV if env is None else env, umask=umask,
+                                preexec_fn=ignore if ignored else None,
                                 process_group=0, stdin=fds[0], stdout=fds[1], stderr=fds[2])
         return lambda: proc.wait(timeout=60)
     return run(launch, **stdio)
@@ -206,7 +217,7 @@ def cold_run(mode: str, target: str, *args: str, cwd: Path, env: dict | None = N
 def both(zygote: Zygote, mode: str, target: str, *args: str, cwd: Path, **kw) -> tuple[Ran, Ran]:
     w = warm_run(zygote, mode, target, *args, cwd=cwd, **kw)
     c = cold_run(mode, target, *args, cwd=cwd, **{k: v for k, v in kw.items() if k not in ("unfreeze", "low_fds")})
-    assert b"ZYGOTE OUTPUT" not in w.out + w.err
+    assert b"ZYGOTE" not in w.out + w.err
     return w, c
 
 
@@ -298,6 +309,13 @@ def test_start_up_environment_variables_act_per_run(zygote, proj, env):
             assert warm_facts["signals"].pop(name) == "<Handlers.SIG_DFL: 0>"
     assert warm_facts == cold_facts
     assert w.err == c.err
+
+
+def test_signals_the_callers_shell_ignored_stay_ignored(zygote, proj):
+    ignored = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    w, c = both(zygote, "script", "sub/probe.py", cwd=proj, ignored=ignored)
+    assert w.facts()["signals"] == c.facts()["signals"]
+    assert w.facts()["signals"]["SIGINT"] == "<Handlers.SIG_IGN: 1>"
 
 
 def test_stdout_and_stderr_on_one_pipe_interleave_as_in_plain_python(zygote, tmp_path):
@@ -515,6 +533,21 @@ def test_installed_modules_keeps_stdlib_and_site_packages_but_no_user_code(tmp_p
     # overmind is installed editable from src/: by definition outside every installed prefix.
     assert not {"overmind", "overmind.warm", "user_module", "pythonpath_module", "__main__"} & set(names)
     assert names.index("_pytest") < names.index("_pytest.python")  # import order
+
+
+def test_installed_modules_at_a_warm_runs_exit_never_lists_modules_beside_its_script(zygote, tmp_path):
+    # The script's folder lies inside the "installed" prefix; the cwd is elsewhere; and by the
+    # time atexit callbacks run, __main__.__file__ is gone (as in plain python).
+    write(tmp_path / "prefix" / "scripts" / "helper.py", "")
+    write(tmp_path / "prefix" / "scripts" / "main.py", f"""\
+        import atexit, helper, json
+        from overmind import warm
+        atexit.register(lambda: print(json.dumps(warm.installed_modules(prefixes=({str(tmp_path / "prefix")!r},)))))
+        """)
+    (tmp_path / "cwd").mkdir()
+    ran = warm_run(zygote, "script", str(tmp_path / "prefix" / "scripts" / "main.py"), cwd=tmp_path / "cwd")
+    names = ran.facts()
+    assert "helper" not in names and "json" not in names  # json: outside the given prefix
 
 
 def test_installed_modules_gives_a_file_to_the_deepest_folder_holding_it(tmp_path, monkeypatch, importable):

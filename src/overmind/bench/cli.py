@@ -17,17 +17,20 @@ from overmind.bench.harness import BenchError, BenchServer, drop_page_cache, sta
 from overmind.bench.report import document, format_tables, plot, validate
 from overmind.bench.runner import MODES, Plan, Runner
 from overmind.bench.scenarios import LOAD_SCENARIOS, SCENARIOS, custom_scenario
+from overmind.bench.whole import MODES as WHOLE_MODES
+from overmind.bench.whole import SCRIPTS as WHOLE_SCRIPTS
+from overmind.bench.whole import WholeProcess
 
 __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXTRA_SCENARIOS = ("custom", "memory", "startup")
+EXTRA_SCENARIOS = ("whole_process", "custom", "memory", "startup")
 # --quick: a small version of every scenario (Note [Processes per scenario or per run] in
 # overmind.bench.runner).
 QUICK = {"scale": "small", "runs": 1, "warm_runs": 1, "memory_procs": 2, "startup_repeats": 5,
-         "process_per": "run", "memory_cases": "controlnet"}
+         "process_per": "run", "memory_cases": "controlnet", "whole_runs": 3}
 FULL = {"scale": "base", "runs": 3, "warm_runs": 3, "memory_procs": 4, "startup_repeats": 20,
-        "process_per": "scenario", "memory_cases": "controlnet,fp32_as_fp16"}
+        "process_per": "scenario", "memory_cases": "controlnet,fp32_as_fp16", "whole_runs": 5}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--modes", default="plain,cold,warm",
                         help=f"comma-separated, from {', '.join(MODES)} (default plain,cold,warm; first: cold on a "
                              "server started just before)")
+    parser.add_argument("--whole-scripts", metavar="LIST",
+                        help=f"the whole-process scenario's scripts, from {', '.join(WHOLE_SCRIPTS)} (default all)")
+    parser.add_argument("--whole-modes", metavar="LIST",
+                        help=f"its modes, from {', '.join(WHOLE_MODES)} (default all; plain is required)")
+    parser.add_argument("--whole-runs", type=int, metavar="N",
+                        help="its timed runs per script and mode (default 5; --quick: 3)")
     parser.add_argument("--drop-page-cache", action="store_true",
                         help="also run every mode with the model's files evicted from the page cache")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: adds .to(device) to every load")
@@ -115,7 +124,8 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         custom = custom_scenario(args.loader, model, args.dtype)
         extra["custom_files"] = _custom_files(model)
     allowed = (*LOAD_SCENARIOS, *EXTRA_SCENARIOS)
-    default_list = "custom,memory,startup" if custom else ",".join((*LOAD_SCENARIOS, "memory", "startup"))
+    default_list = ("custom,memory,startup" if custom
+                    else ",".join(("whole_process", *LOAD_SCENARIOS, "memory", "startup")))
     chosen = _names(args.scenarios or default_list, allowed, "--scenarios")
     if "custom" in chosen and custom is None:
         raise ValueError("--scenarios custom needs --loader and --model")
@@ -130,7 +140,12 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
     if "plain" not in modes:
         raise ValueError("--modes must include plain: every ratio is against it")
     modes = tuple(m for m in MODES if m in modes)  # plain, first, cold, warm: warm must follow what filled it
-    for option in ("runs", "warm_runs", "memory_procs", "startup_repeats"):
+    whole_scripts = tuple(_names(args.whole_scripts or ",".join(WHOLE_SCRIPTS), tuple(WHOLE_SCRIPTS),
+                                 "--whole-scripts")) if "whole_process" in chosen else ()
+    whole_modes = tuple(_names(args.whole_modes or ",".join(WHOLE_MODES), WHOLE_MODES, "--whole-modes"))
+    if "plain" not in whole_modes:
+        raise ValueError("--whole-modes must include plain: every ratio is against it")
+    for option in ("runs", "warm_runs", "memory_procs", "startup_repeats", "whole_runs"):
         value = getattr(args, option)
         if value is not None and value < 1:
             raise ValueError(f"--{option.replace('_', '-')} must be at least 1")
@@ -141,6 +156,8 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         memory_procs=args.memory_procs or defaults["memory_procs"],
         startup_repeats=args.startup_repeats or defaults["startup_repeats"], device=args.device,
         process_per=args.process_per or defaults["process_per"], cold_mode=args.cold_mode, quick=args.quick,
+        whole_scripts=whole_scripts, whole_modes=tuple(m for m in WHOLE_MODES if m in whole_modes),
+        whole_runs=args.whole_runs or defaults["whole_runs"],
     )
     return plan, extra
 
@@ -176,15 +193,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             say(f"skipped: {why}; the load scenarios need it (memory and start-up still run)")
             plan.skipped.update({s.name: why for s in plan.scenarios})
     cache_dir = (args.cache_dir or M.default_cache_dir()).expanduser().resolve()
-    needed = list(dict.fromkeys(n for s in [*plan.scenarios, *plan.memory_cases] if s.name not in plan.skipped
-                                for n in s.models))
+    needed = list(dict.fromkeys([*(n for s in [*plan.scenarios, *plan.memory_cases] if s.name not in plan.skipped
+                                   for n in s.models),
+                                 *(n for name in plan.whole_scripts for n in WHOLE_SCRIPTS[name].models)]))
     log_dir = Path(tempfile.mkdtemp(prefix="overmind-bench-logs-"))
     try:
         server = BenchServer.start()
     except BenchError as err:
         print(f"overmind-bench: {err}", file=sys.stderr)
         return EXIT_FAILED
-    startup = None
+    startup = whole = None
     try:
         say(f"private overmind-server pid {server.pid} in {server.runtime_dir}; worker logs in {log_dir}")
         runner = Runner(plan, {}, server, log_dir, cwd=os.getcwd(), echo=say)
@@ -207,6 +225,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.drop_page_cache:
             _plan_page_cache(plan, runner.paths, say)
         results = runner.run()
+        if plan.whole_scripts:
+            whole = _whole_process(plan, runner.paths, server, log_dir, say)
         if plan.startup:
             say(f"start-up: timing {plan.startup_repeats} bare and {plan.startup_repeats} patched interpreters")
             startup = startup_overhead(plan.startup_repeats)
@@ -219,7 +239,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         server.stop()
     doc = document(plan, results, startup, cache_dir=cache_dir, wall_s=time.monotonic() - started,
-                   cuda_device=cuda_name, argv=["overmind-bench", *argv])
+                   cuda_device=cuda_name, argv=["overmind-bench", *argv], whole=whole)
     validate(doc)
     print(format_tables(doc), flush=True)
     if args.json:
@@ -234,11 +254,23 @@ def main(argv: Optional[list[str]] = None) -> int:
             return EXIT_FAILED
     failed = [s["name"] for s in doc["scenarios"] if s["status"] == "failed"]
     failed += [f"memory {m['scenario']}" for m in doc["memory"] if m["status"] == "failed"]
+    failed += [f"whole process {s['name']}" for s in (doc["whole_process"] or {}).get("scripts", [])
+               if s["status"] == "failed"]
     if failed:
         say(f"overmind-bench: failed: {', '.join(failed)}; worker logs kept in {log_dir}")
         return EXIT_FAILED
     shutil.rmtree(log_dir, ignore_errors=True)
     return EXIT_OK
+
+
+def _whole_process(plan: Plan, paths: dict, server: BenchServer, log_dir: Path, say) -> dict:
+    whole = WholeProcess(plan, paths, server, log_dir, echo=say)
+    say(f"whole process: {', '.join(plan.whole_scripts)} x {', '.join(plan.whole_modes)}, "
+        f"{plan.whole_runs} runs each; scripts in {whole.dir}")
+    try:
+        return whole.run()
+    finally:
+        whole.close()
 
 
 def _close_prestart(runner: Runner, worker, timeout: float = 60.0) -> None:
@@ -259,6 +291,7 @@ def _plan_page_cache(plan: Plan, paths: dict, say) -> None:
     files = [f for s in plan.scenarios if s.name not in plan.skipped
              for f in (paths.get("custom_files") or [] if s.name == "custom"
                        else [f for n in s.models for f in M.model_files(paths[n])])]
+    files += [f for name in plan.whole_scripts for n in WHOLE_SCRIPTS[name].models for f in M.model_files(paths[n])]
     if not files:
         say("page cache cold: skipped: no local model files to evict")
         return

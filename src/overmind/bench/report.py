@@ -34,14 +34,32 @@ Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` o
       "memory": [{
           "scenario": str, "procs": int, "tensor_bytes": int|null,
           "status": "ok"|"failed", "reason": str|null,
-          "plain": null | holding, "overmind": null | holding}]
+          "plain": null | holding, "overmind": null | holding}],
+      "whole_process": null | {            # overmind.bench.whole; null when not run
+          "runs": int, "warmup_runs": int, "modes": [str], "context_var": str,
+          "scripts": [{
+              "name": str, "title": str, "command": str, "run_command": str,   # as typed
+              "models": [str], "loads": int,   # cache calls a run makes
+              "tensor_bytes": int|null, "file_bytes": int,
+              "status": "ok"|"skipped"|"failed", "reason": str|null,
+              "results": [{
+                  "mode": "plain"|"patched"|"run"|"first_run", "page_cache": "warm"|"cold",
+                  "runs": [{"ready": float|null, "used": float|null, "wall": float,
+                            "forked": bool, "hits": int, "misses": int}],
+                  "summary": {"ready": summary|null, "used": summary|null, "wall": summary},
+                  "x_plain": {"ready": float|null, "used": float|null, "wall": float|null}}]}]}
     }
 
 where ``holding`` is ``{"pss_bytes": int, "used_bytes": int, "pss_ratio": float,
 "used_ratio": float, "pss_before_bytes": int, "pss_after_bytes": int, "load_s": summary}``:
 the growth of the holders' summed PSS (plus the server's process tree, for overmind) and of
 the machine's used memory (MemTotal - MemAvailable) while K processes load and hold the
-model, and each over ``tensor_bytes``.
+model, and each over ``tensor_bytes``. In ``whole_process``, times count from just before a
+fresh process is started from the shell (the bench) to its model ready (loaded and moved,
+``ready``), to every page of every weight read (``used``) and to its exit (``wall``); a run
+without a model (``-c "import ..."``) has only ``wall``. ``forked``: the server forked it from a
+warm interpreter; ``hits``/``misses``: the server's counters over the run. ``x_plain`` divides
+each median by plain's, same page cache state.
 """
 
 from __future__ import annotations
@@ -58,6 +76,8 @@ __all__ = ["SCHEMA_VERSION", "PHASES_AFTER", "document", "format_tables", "plot"
 SCHEMA_VERSION = 1
 PHASES_AFTER = ("to_device", "total", "first_use")  # after a scenario's own components
 MODE_LABELS = {"plain": "plain", "first": "overmind first", "cold": "overmind cold", "warm": "overmind warm"}
+WHOLE_LABELS = {"plain": "python", "patched": "python + monkey_patch_all()", "run": "overmind run",
+                "first_run": "overmind run, new context"}
 
 
 def _summary(values: list[float]) -> dict:
@@ -77,7 +97,7 @@ def _versions() -> dict:
 
 
 def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, wall_s: float,
-             cuda_device: Optional[str], argv: list[str]) -> dict:
+             cuda_device: Optional[str], argv: list[str], whole: Optional[dict] = None) -> dict:
     """The JSON document of a run (schema in the module docstring)."""
     from overmind import __version__
 
@@ -133,7 +153,15 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
         "scenarios": scenarios,
         "memory": [{**{k: m.get(k) for k in ("scenario", "procs", "tensor_bytes", "status", "reason")},
                     "plain": m.get("plain"), "overmind": m.get("overmind")} for m in results["memory"]],
+        "whole_process": None if whole is None else _whole_document(plan, whole),
     }
+
+
+def _whole_document(plan, whole: dict) -> dict:
+    from overmind.bench.whole import CONTEXT_VAR, summarize
+
+    return {"runs": plan.whole_runs, "warmup_runs": plan.whole_warmup, "modes": list(plan.whole_modes),
+            "context_var": CONTEXT_VAR, "scripts": summarize(whole, plan)}
 
 
 # -- validation -------------------------------------------------------------------------------
@@ -192,6 +220,19 @@ def validate(doc: dict) -> None:
 
     holding = optional({"pss_bytes": int, "used_bytes": int, "pss_ratio": _NUM, "used_ratio": _NUM,
                         "pss_before_bytes": int, "pss_after_bytes": int, "load_s": _SUMMARY})
+    times = {"ready": optional(_NUM), "used": optional(_NUM), "wall": _NUM}
+    whole = optional({
+        "runs": int, "warmup_runs": int, "modes": [one_of("plain", "patched", "run", "first_run")],
+        "context_var": str,
+        "scripts": [{"name": str, "title": str, "command": str, "run_command": str, "models": [str], "loads": int,
+                     "tensor_bytes": optional(int), "file_bytes": int, "status": one_of("ok", "skipped", "failed"),
+                     "reason": optional(str),
+                     "results": [{"mode": one_of("plain", "patched", "run", "first_run"),
+                                  "page_cache": one_of("warm", "cold"),
+                                  "runs": [{**times, "forked": bool, "hits": int, "misses": int}],
+                                  "summary": {"ready": optional(_SUMMARY), "used": optional(_SUMMARY),
+                                              "wall": _SUMMARY},
+                                  "x_plain": {k: optional(_NUM) for k in times}}]}]})
     schema = {
         "schema_version": one_of(SCHEMA_VERSION), "tool": one_of("overmind-bench"), "overmind_version": str,
         "created": str, "command": [str], "wall_s": _NUM,
@@ -213,6 +254,7 @@ def validate(doc: dict) -> None:
         "memory": [{"scenario": str, "procs": int, "tensor_bytes": optional(int),
                     "status": one_of("ok", "failed"), "reason": optional(str), "plain": holding,
                     "overmind": holding}],
+        "whole_process": whole,
     }
     check(doc, schema, "$")
 
@@ -246,6 +288,8 @@ def format_tables(doc: dict) -> str:
                "import = interpreter start to libraries imported")
     if settings["page_cache_method"]:
         out.append(f"page cache cold: {settings['page_cache_method']} on every file of the model before each run")
+    if doc.get("whole_process"):
+        out += ["", format_whole(doc["whole_process"])]
     for sc in doc["scenarios"]:
         size = f"{_gb(sc['tensor_bytes'])} of tensors" if sc["tensor_bytes"] else ""
         out.append("")
@@ -299,6 +343,34 @@ def format_tables(doc: dict) -> str:
                    f"{st['patched_s']['median'] * 1000:.1f} ms patched)")
     out.append("")
     out.append(f"wall time {doc['wall_s']:.0f} s")
+    return "\n".join(out)
+
+
+def format_whole(whole: dict) -> str:
+    """The whole-process table: one block per script, a row per mode and page cache state."""
+    out = [f"whole process: a script started from the shell as a fresh process; seconds from its start to "
+           f"its model ready (loaded, .to('cpu')), to every page of every weight read (used) and to its exit; "
+           f"median of {whole['runs']} runs, min-max of exit in brackets; x plain: median over python's",
+           "modes: python SCRIPT | python SCRIPT calling monkey_patch_all() first, cache warm | overmind run "
+           "SCRIPT, cache and interpreter warm | overmind run SCRIPT in a new context (no warm interpreter: runs "
+           f"plainly while the server starts one; a fresh {whole['context_var']} each run)"]
+    for sc in whole["scripts"]:
+        size = f"; {_gb(sc['tensor_bytes'])} of tensors" if sc["tensor_bytes"] else ""
+        out += ["", f"{sc['name']}: `{sc['command']}`: {sc['title']}{size}"]
+        if sc["status"] != "ok":
+            out.append(f"  {sc['status']}: {(sc['reason'] or '').splitlines()[0] if sc['reason'] else ''}")
+            if not sc["results"]:
+                continue
+        caches = {r["page_cache"] for r in sc["results"]}
+        rows = [["mode", "ready", "used", "exit", "x plain ready", "x plain used", "x plain exit"]]
+        for r in sc["results"]:
+            s, x = r["summary"], r["x_plain"]
+            wall = s["wall"]
+            rows.append([WHOLE_LABELS[r["mode"]] + (f", page cache {r['page_cache']}" if len(caches) > 1 else ""),
+                         *("-" if s[k] is None else _s(s[k]["median"]) for k in ("ready", "used")),
+                         f"{_s(wall['median'])} ({_s(wall['min'])}-{_s(wall['max'])})",
+                         *("-" if x[k] is None else f"{x[k]:.3f}" for k in ("ready", "used", "wall"))])
+        out.append(_grid(rows))
     return "\n".join(out)
 
 

@@ -65,6 +65,11 @@ class Plan:
     cold_mode: str = "background"
     quick: bool = False
     skipped: dict = field(default_factory=dict)  # scenario name -> reason
+    # The whole-process scenario (overmind.bench.whole); no scripts: not run.
+    whole_scripts: tuple[str, ...] = ()
+    whole_modes: tuple[str, ...] = ("plain", "patched", "run", "first_run")
+    whole_runs: int = 5
+    whole_warmup: int = 2
 
 
 def _summary(values: list[float]) -> dict:

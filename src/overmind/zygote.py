@@ -1,0 +1,433 @@
+"""A warm interpreter: imports installed modules once, then forks a child per load or run.
+
+Started by the server (``overmind.loader_pool``) as ``python -c "...zygote_main(fd)"`` in
+its own session, cwd ``/``, stdio on the server's log; never by users::
+
+    zygote_main(control_fd)   # Warm -> LoaderReady, then Job | Fork | Retire, until retired
+
+A ``Job`` child runs one cold load (``overmind.loader.run_job``); a ``Fork`` child becomes
+the user's script (``overmind.warm.become``) with the front end's stdio, and this process
+reports its exit status to the front end (``RunExited``) when it reaps it.
+
+Note [Warm interpreters]
+A warm interpreter holds only code that cannot change under it: the standard library and
+installed packages (``overmind.warm.installed_modules``), never the user's own code (the
+script's folder, the cwd, editable installs, ``PYTHONPATH`` outside site-packages), so an
+edit to the user's code is seen by the next run. It records the size and mtime of every
+file it imported from; before each fork it checks them, and one that changed (a ``pip
+install -U``) makes it refuse (``NOT_FORKABLE``) and the server retire it: the run goes
+plain this once, the next gets a fresh interpreter, and old code never runs.
+
+Note [Forking past torch's thread]
+A fork copies only the calling thread; a lock another thread held stays locked forever in
+the child. So a fork happens only from a known state: no Python thread but the main one
+(``threading.active_count() == 1``), and no native thread beyond those counted right after
+the pre-imports. ``import torch`` alone starts one native thread, which blocks on a futex
+until work is submitted to it (at::launch's pool is created lazily; the thread seen here
+belongs to the CPU allocator/OpenMP runtime and holds no lock while it waits); the child
+starts with a fresh copy of the pool's state and never talks to that thread, and torch's
+own ``pthread_atfork`` handlers reset its thread pools in the child. A new thread (an import
+that started a pool, a library's background loader) makes the interpreter refuse to fork,
+and the server replaces it without the module that did so. CUDA is never initialised here
+(Note [Zygotes never touch CUDA] in overmind.loader_pool).
+
+Note [Warm interpreters learn]
+Each run reports, at its exit, the installed modules it imported. The interpreter imports
+those it lacks, one at a time, between forks (a Fork or Job waiting on the control socket
+goes first), so the next run of the same script imports nothing; the server keeps the list
+per context and hands it (``Warm``) to the context's next interpreter at start.
+
+Note [Frozen before forking]
+Everything the interpreter holds is moved to the garbage collector's permanent generation
+before each fork (``gc.freeze()``): a child's collections, and the exit-time sweep for open
+files (Note [Exit like Py_RunMain] in overmind.warm), then scan only the run's own objects
+(0.25 s less for a run of ``pass`` with torch imported), and never write to the shared pages
+of the interpreter's objects (reference counts aside), so they stay shared.
+
+Note [Retiring never kills work]
+``Retire`` stops forking; the process exits once every load and run it started has ended,
+still reporting run statuses. Only the server's death (EOF on the control socket) kills the
+loads in flight (their results have nowhere to go); runs keep going even then.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+
+from overmind import protocol as P
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["zygote_main"]
+
+PREIMPORT = ("torch",)
+MAX_REPORT = 4 << 20  # bytes of a run's module report
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+class _RunChild:
+    def __init__(self, conn: socket.socket, report: int) -> None:
+        self.conn = conn
+        self.report = report  # read end of the child's module report pipe, -1 once read
+        self.data = bytearray()
+        self.front_end_gone = False
+
+
+class WarmInterpreter:
+    def __init__(self, control: socket.socket) -> None:
+        self.control = control
+        self.runs: dict[int, _RunChild] = {}
+        self.loads: set[int] = set()
+        self.files: dict[str, tuple[int, int]] = {}  # Note [Warm interpreters]
+        self.threads = 0
+        self.retiring = False
+        self.learned: list[str] = []  # what runs imported that we did not hold: for our successor
+        self.to_learn: list[str] = []
+        self.refused_modules: set[str] = set()
+        self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    # -- start ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
+        signal.set_wakeup_fd(self.wakeup_w, warn_on_full_buffer=False)
+        if sys.path and sys.path[0] in ("", os.getcwd()):
+            del sys.path[0]  # `python -c` put the cwd ("/") first; a run sets its own sys.path[0]
+        message, _, fds = P.recv_message(self.control)
+        _close(fds)
+        warm = P.expect(message, P.Warm, "first, from the server")
+        imported = self._import([*PREIMPORT, *warm.modules])
+        import overmind.quirks  # noqa: F401  (torch-side helpers before forking)
+        import overmind.reductions  # noqa: F401
+        import overmind.warm  # noqa: F401  (what every run imports first)
+
+        self._record_files()
+        self.threads = _native_threads()
+        P.send_message(self.control, P.LoaderReady(os.getpid(), imported))
+
+    def _import(self, names) -> list[str]:
+        from overmind.warm import installed_modules
+
+        done = []
+        for name in names:
+            if name in sys.modules or name in self.refused_modules or not _installed(name):
+                continue
+            before = threading.active_count(), _native_threads()
+            try:
+                importlib.import_module(name)
+                done.append(name)
+            except BaseException as err:  # noqa: BLE001 - a module that fails here costs the run an import
+                logger.debug("pre-import of %s failed: %s", name, err)
+                self.refused_modules.add(name)
+            if (threading.active_count(), _native_threads()) != before and self.threads:
+                logger.warning("importing %s started a thread: this interpreter will not fork again", name)
+                self.refused_modules.add(name)
+        del installed_modules
+        return done
+
+    def _record_files(self) -> None:
+        from overmind.warm import installed_modules
+
+        for name in installed_modules(exclude=()):
+            path = getattr(sys.modules.get(name), "__file__", None)
+            if isinstance(path, str) and path not in self.files:
+                try:
+                    st = os.stat(path)
+                    self.files[path] = (st.st_mtime_ns, st.st_size)
+                except OSError:
+                    pass
+
+    # -- fork safety --------------------------------------------------------------------------
+
+    def _why_not_forkable(self) -> str:
+        if threading.active_count() != 1:
+            return f"{threading.active_count()} Python threads (Note [Forking past torch's thread])"
+        if _native_threads() > self.threads:
+            return f"{_native_threads()} native threads, {self.threads} when ready"
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return "CUDA was initialised here (Note [Zygotes never touch CUDA] in overmind.loader_pool)"
+        for path, (mtime_ns, size) in self.files.items():
+            try:
+                st = os.stat(path)
+                if (st.st_mtime_ns, st.st_size) == (mtime_ns, size):
+                    continue
+            except OSError:
+                pass
+            return f"{path} changed since it was imported (Note [Warm interpreters])"
+        return ""
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        while True:
+            if self.retiring and not self.runs and not self.loads:
+                os._exit(0)
+            watched = [self.wakeup_r] + [c.conn for c in self.runs.values() if not c.front_end_gone]
+            watched += [c.report for c in self.runs.values() if c.report >= 0]
+            if not self.retiring:
+                watched.append(self.control)
+            timeout = 0 if self.to_learn and not self.retiring else None
+            try:
+                ready, _, _ = select.select(watched, [], [], timeout)
+            except InterruptedError:
+                continue
+            if self.wakeup_r in ready:
+                self._drain_wakeup()
+            self._reap()
+            for pid, child in list(self.runs.items()):
+                if child.report >= 0 and child.report in ready:
+                    self._read_report(child)
+                if child.conn in ready and not child.front_end_gone:
+                    self._front_end_gone(pid, child)
+            if self.control in ready:
+                self._control()
+            elif self.to_learn and not self.retiring:
+                self._learn_one()
+
+    def _drain_wakeup(self) -> None:
+        try:
+            while os.read(self.wakeup_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.loads.discard(pid)
+            child = self.runs.pop(pid, None)
+            if child is None:
+                continue
+            if child.report >= 0:
+                self._read_report(child, final=True)
+            try:
+                child.conn.settimeout(5.0)
+                P.send_message(child.conn, P.RunExited(status))
+            except OSError:
+                pass
+            child.conn.close()
+            self._learn_from(child)
+
+    def _read_report(self, child: _RunChild, final: bool = False) -> None:
+        while True:
+            try:
+                chunk = os.read(child.report, 65536)
+            except BlockingIOError:
+                if not final:
+                    return
+                chunk = b""
+            if not chunk or len(child.data) > MAX_REPORT:
+                os.close(child.report)
+                child.report = -1
+                return
+            child.data += chunk
+
+    def _learn_from(self, child: _RunChild) -> None:
+        try:
+            names = json.loads(bytes(child.data)) if child.data else []
+        except ValueError:
+            return
+        new = [n for n in names if isinstance(n, str) and n not in sys.modules and n not in self.refused_modules
+               and n not in self.to_learn]
+        self.to_learn.extend(new)
+        self.learned.extend(n for n in new if n not in self.learned)
+
+    def _learn_one(self) -> None:
+        """One learned module, then back to select: a Fork waiting goes first (Note [Warm interpreters learn])."""
+        name = self.to_learn.pop(0)
+        self._import([name])
+        if not self.to_learn:
+            self._record_files()
+
+    def _front_end_gone(self, pid: int, child: _RunChild) -> None:
+        """The front end closed its connection (killed, or its terminal went away): so does the run."""
+        try:
+            if child.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return  # it never sends anything; ignore stray bytes
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        child.front_end_gone = True
+        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            try:
+                target()
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _control(self) -> None:
+        try:
+            message, blob, fds = P.recv_message(self.control)
+        except (EOFError, ConnectionResetError, P.ProtocolError):
+            # The server died: loads have nowhere to send their result; runs go on (Note [Retiring never kills work]).
+            for pid in self.loads:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.retiring = True
+            return
+        if isinstance(message, P.Retire):
+            _close(fds)
+            self.retiring = True
+            return
+        expected = 1 if isinstance(message, P.Job) else 4 if isinstance(message, P.Fork) else -1
+        if len(fds) != expected:
+            _close(fds)
+            P.send_message(self.control, P.JobFailed("", P.ErrorCode.BAD_REQUEST,
+                                                     f"unexpected {type(message).__name__} with {len(fds)} fds"))
+            return
+        if isinstance(message, P.Job):
+            self._import(message.modules)
+        why = self._why_not_forkable()
+        if why:
+            _close(fds)
+            P.send_message(self.control, P.JobFailed(getattr(message, "key", "run"), P.ErrorCode.NOT_FORKABLE, why))
+            return
+        if isinstance(message, P.Job):
+            pid = self._fork_job(message, blob, fds[0])
+            self.loads.add(pid)
+            key = message.key
+        else:
+            pid = self._fork_run(message, fds)
+            if pid < 0:
+                P.send_message(self.control, P.JobFailed("run", P.ErrorCode.NOT_FORKABLE,
+                                                         "the front end left before its run started"))
+                return
+            key = "run"
+        P.send_message(self.control, P.JobStarted(key, pid, modules=len(sys.modules), learned=self.learned))
+
+    def _fork_job(self, job: P.Job, blob: bytes, job_fd: int) -> int:
+        gc.freeze()  # Note [Frozen before forking]
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                self._in_child()
+                from overmind.loader import run_job
+
+                try:
+                    os.chdir(job.cwd)
+                except OSError:
+                    pass
+                with socket.socket(fileno=job_fd) as job_sock:
+                    code = run_job(job, blob, job_sock)
+            finally:
+                os._exit(code)
+        os.close(job_fd)
+        return pid
+
+    def _fork_run(self, fork: P.Fork, fds: list[int]) -> int:
+        stdin, stdout, stderr, conn_fd = fds
+        conn = socket.socket(fileno=conn_fd)
+        try:  # the front end may have given up waiting: then nothing runs (never twice, never late)
+            if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                _close([stdin, stdout, stderr])
+                conn.close()
+                return -1
+        except BlockingIOError:
+            pass
+        report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        gc.freeze()  # Note [Frozen before forking]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                self._in_child()
+                conn.close()
+                os.close(report_r)
+                _report_modules_at_exit(report_w)
+                from overmind.warm import become
+
+                become(fork.spec, stdin, stdout, stderr)
+            finally:
+                os._exit(1)
+        _close([stdin, stdout, stderr, report_w])
+        os.set_blocking(report_r, False)
+        self.runs[pid] = _RunChild(conn, report_r)
+        try:
+            conn.settimeout(5.0)
+            P.send_message(conn, P.RunStarted(pid))
+        except OSError:
+            pass
+        return pid
+
+    def _in_child(self) -> None:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in (self.wakeup_r, self.wakeup_w):
+            os.close(fd)
+        for child in self.runs.values():
+            child.conn.close()
+            if child.report >= 0:
+                os.close(child.report)
+        self.control.close()
+
+
+def _report_modules_at_exit(fd: int) -> None:
+    """At the run's exit (the first atexit callback, so it runs last): its installed modules."""
+    import atexit
+
+    def report() -> None:
+        try:
+            from overmind.warm import installed_modules
+
+            data = json.dumps(installed_modules()).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except Exception:  # noqa: BLE001 - learning is a bonus; the run's exit must not suffer
+            pass
+        finally:
+            os.close(fd)
+
+    atexit.register(report)
+
+
+def _installed(name: str) -> bool:
+    """Is ``name`` importable from an installed location (never the user's code)?"""
+    from overmind.warm import _installed_prefixes
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError, AttributeError):
+        return False
+    if spec is None:
+        return False
+    if spec.origin in ("built-in", "frozen"):
+        return True
+    paths = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
+    prefixes = [os.path.join(os.path.realpath(p), "") for p in _installed_prefixes()]
+    return bool(paths) and all(os.path.realpath(p).startswith(tuple(prefixes)) for p in paths)
+
+
+def _close(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def zygote_main(control_fd: int) -> None:
+    interpreter = WarmInterpreter(socket.socket(fileno=control_fd))
+    interpreter.start()
+    interpreter.serve()

@@ -1,0 +1,369 @@
+"""``overmind run``: a script forked from a warm interpreter behaves as plain ``python`` would.
+
+Real server, real front end (the ``overmind`` console script), real pipes, a real pty for the
+terminal cases, real signals. The child side's finer points (stdio objects, __main__, exit
+paths, multiprocessing) are pinned against plain python in tests/unit/test_warm.py; here each
+behaviour is checked end to end, through the server and the warm interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from ..conftest import child_env
+from .conftest import ServerProcess
+
+OVERMIND = str(Path(sys.executable).parent / "overmind")
+
+
+@pytest.fixture(scope="module")
+def warm_server():
+    runtime = Path(tempfile.mkdtemp(prefix="om-run-", dir="/tmp"))
+    server = ServerProcess(runtime)
+    _run(server, "-c", "pass")  # refused: starts the warm interpreter
+    _wait_warm(server)
+    yield server
+    server.stop()
+    subprocess.run(["rm", "-rf", str(runtime)])
+
+
+def _env(server, **extra) -> dict:
+    return {**server.client_env(), **extra}
+
+
+def _run(server, *args, env=None, **kwargs) -> subprocess.CompletedProcess:
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    return subprocess.run([OVERMIND, "run", *args], env=env or _env(server), text=True, timeout=120, **kwargs)
+
+
+def _runs(server) -> int:
+    return server.status()["runs"]
+
+
+def _wait_warm(server, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(z["ready"] for z in server.status()["loaders"]):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no warm interpreter after {timeout}s: {server.status()['loaders']}")
+
+
+def _warm_run(server, *args, **kwargs) -> subprocess.CompletedProcess:
+    """A run that must have been forked from the warm interpreter (not the plain fallback)."""
+    _wait_warm(server)
+    before = _runs(server)
+    proc = _run(server, *args, **kwargs)
+    assert _runs(server) == before + 1, f"the run went plain: {proc.stderr[-2000:]}\n{server.log()[-3000:]}"
+    return proc
+
+
+REPORT = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "file": globals().get("__file__"), "name": __name__,
+                  "cwd": os.getcwd(), "var": os.environ.get("OVERMIND_TEST_VAR"), "umask": os.umask(0),
+                  "main_file": getattr(sys.modules["__main__"], "__file__", None),
+                  "stdin_tty": sys.stdin.isatty(), "stdout_tty": sys.stdout.isatty()}))
+sys.exit(7)
+"""
+
+
+def _plain(*args, env, cwd, umask=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=120, cwd=cwd,
+                          preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+
+
+@pytest.mark.parametrize("mode", ["script", "module", "code"])
+def test_argv_path_main_cwd_environment_umask_and_exit_status_are_plain_pythons(warm_server, tmp_path, mode):
+    work = tmp_path / "work"
+    work.mkdir()
+    (tmp_path / "report_mod.py").write_text(REPORT)
+    (tmp_path / "report_script.py").write_text(REPORT)
+    args = {"script": [str(tmp_path / "report_script.py")], "module": ["-m", "report_mod"],
+            "code": ["-c", REPORT]}[mode] + ["a", "b c"]
+    env = _env(warm_server, OVERMIND_TEST_VAR="only-in-this-run", PYTHONPATH=str(tmp_path))
+    if mode != "module":
+        env.pop("PYTHONPATH")
+    if mode == "module":  # a PYTHONPATH selects another interpreter: warm one up for it
+        _run(warm_server, "-c", "pass", env=env, cwd=work)
+        _wait_until_forked(warm_server, env, work)
+    warm = _warm_run(warm_server, *args, env=env, cwd=work, preexec_fn=lambda: os.umask(0o027))
+    plain = _plain(*args, env=env, cwd=work, umask=0o027)
+    assert warm.returncode == plain.returncode == 7, warm.stderr
+    assert json.loads(warm.stdout) == json.loads(plain.stdout)
+    assert warm.stderr == plain.stderr == ""
+
+
+def _wait_until_forked(server, env, cwd, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = _runs(server)
+        _run(server, "-c", "pass", env=env, cwd=cwd)
+        if _runs(server) > before:
+            return
+        time.sleep(0.3)
+    raise AssertionError("the new context never got a warm interpreter")
+
+
+def test_an_uncaught_exception_prints_its_traceback_on_the_callers_stderr_and_exits_1(warm_server, tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text("print('before', flush=True)\nraise ValueError('boom')\n")
+    warm = _warm_run(warm_server, str(script))
+    plain = _plain(str(script), env=_env(warm_server), cwd=tmp_path)
+    assert warm.returncode == plain.returncode == 1
+    assert warm.stdout == "before\n" and warm.stderr == plain.stderr
+    assert "ValueError: boom" in warm.stderr and 'File "' + str(script) in warm.stderr
+
+
+def test_death_by_a_signal_is_reported_as_a_shell_would(warm_server, tmp_path):
+    script = tmp_path / "die.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
+    assert _warm_run(warm_server, str(script)).returncode == -signal.SIGTERM
+    shell = subprocess.run(["sh", "-c", f"{OVERMIND} run {script}; echo status=$?"], env=_env(warm_server),
+                           capture_output=True, text=True, timeout=60)
+    assert shell.stdout.strip() == f"status={128 + signal.SIGTERM}"
+
+
+def test_stdin_is_the_callers_and_output_is_never_lost_at_exit(warm_server, tmp_path):
+    script = tmp_path / "echo.py"
+    script.write_text("import sys\ndata = sys.stdin.read()\nsys.stdout.write(data.upper() * 2000)\n"
+                      "sys.stderr.write('done')\n")
+    warm = _warm_run(warm_server, str(script), input="abc\n")
+    assert warm.returncode == 0 and warm.stdout == "ABC\n" * 2000 and warm.stderr == "done"
+    with open(tmp_path / "out.txt", "w") as out:  # a file, not a pipe
+        _warm_run(warm_server, str(script), input="xy", stdout=out)
+    assert (tmp_path / "out.txt").read_text() == "XY" * 2000
+
+
+def _spawn_in_pty(argv, env):
+    """Start ``argv`` as a session leader with a new pty as its controlling terminal."""
+    import fcntl
+    import pty
+    import termios
+
+    master, slave = pty.openpty()
+
+    def take_terminal():
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
+                            preexec_fn=take_terminal)
+    os.close(slave)
+    return proc, master
+
+
+def _read_until(fd: int, marker: bytes, timeout: float = 60) -> bytes:
+    import select
+
+    data = b""
+    deadline = time.monotonic() + timeout
+    while marker not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"no {marker!r} in {data!r}")
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_in_a_terminal_isatty_is_true_and_ctrl_c_raises_keyboard_interrupt(warm_server, tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text("import sys, time\n"
+                      "print('tty', sys.stdin.isatty(), sys.stdout.isatty(), sys.stderr.isatty(), flush=True)\n"
+                      "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('caught', flush=True)\n"
+                      "    sys.exit(4)\n")
+    before = _runs(warm_server)
+    proc, master = _spawn_in_pty([OVERMIND, "run", str(script)], _env(warm_server))
+    try:
+        out = _read_until(master, b"tty True True True")
+        os.write(master, b"\x03")  # Ctrl-C: the terminal signals its foreground group, the front end
+        out += _read_until(master, b"caught")
+        assert proc.wait(timeout=30) == 4
+    finally:
+        proc.kill()
+        os.close(master)
+    assert _runs(warm_server) == before + 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_reach_the_script(warm_server, tmp_path, sig):
+    script = tmp_path / "handler.py"
+    script.write_text("import signal, sys, time\n"
+                      "signal.signal(signal.SIGTERM, lambda *a: sys.exit(10))\n"
+                      "signal.signal(signal.SIGHUP, lambda *a: sys.exit(11))\n"
+                      "print('ready', flush=True)\ntime.sleep(60)\n")
+    before = _runs(warm_server)
+    proc = subprocess.Popen([OVERMIND, "run", str(script)], env=_env(warm_server), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == (10 if sig == signal.SIGTERM else 11)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    assert _runs(warm_server) == before + 1
+
+
+def test_when_the_front_end_dies_the_script_is_killed(warm_server, tmp_path):
+    script = tmp_path / "sleeper.py"
+    pid_file = tmp_path / "pid"
+    script.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    proc = subprocess.Popen([OVERMIND, "run", str(script)], env=_env(warm_server))
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline, "the script never started"
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, f"script pid {child} outlived its front end"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_random_state_is_fresh_in_every_run(warm_server, tmp_path):
+    script = tmp_path / "rand.py"
+    script.write_text("import random, numpy, torch\nprint(random.random(), numpy.random.rand(), torch.rand(1).item())\n")
+    first, second = (_warm_run(warm_server, str(script)).stdout.split() for _ in range(2))
+    assert all(a != b for a, b in zip(first, second)), (first, second)
+
+
+def test_the_users_own_code_is_never_preimported_and_an_edit_is_seen(warm_server, tmp_path):
+    (tmp_path / "mylib.py").write_text("VALUE = 1\n")
+    script = tmp_path / "use.py"
+    script.write_text("import sys\nwas = 'mylib' in sys.modules\nimport mylib\nprint(was, mylib.VALUE)\n")
+    assert _warm_run(warm_server, str(script)).stdout == "False 1\n"
+    time.sleep(1.0)  # the interpreter learns what the run imported
+    (tmp_path / "mylib.py").write_text("VALUE = 2\n")
+    assert _warm_run(warm_server, str(script)).stdout == "False 2\n"
+
+
+def test_the_second_run_imports_nothing_the_first_imported(warm_server, tmp_path):
+    script = tmp_path / "learn.py"
+    script.write_text("import sys\nprint('xml.dom.minidom' in sys.modules)\nimport xml.dom.minidom\n")
+    assert _warm_run(warm_server, str(script)).stdout == "False\n"
+    deadline = time.monotonic() + 30
+    while True:  # learning happens after the run, between forks
+        out = _warm_run(warm_server, str(script)).stdout
+        if out == "True\n" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert out == "True\n"
+
+
+@pytest.fixture
+def installed_module():
+    """A module file under site-packages: installed code a warm interpreter may hold."""
+    name = f"overmind_test_installed_{os.getpid()}"
+    path = Path(sysconfig.get_paths()["purelib"]) / f"{name}.py"
+    path.write_text("VERSION = 1\n")
+    os.utime(path, (time.time() - 60, time.time() - 60))
+    yield name, path
+    path.unlink()
+
+
+def test_a_changed_installed_module_is_never_run_from_the_old_interpreter(warm_server, tmp_path, installed_module):
+    name, path = installed_module
+    script = tmp_path / "ver.py"
+    script.write_text(f"import sys\nwas = {name!r} in sys.modules\nimport {name}\nprint(was, {name}.VERSION)\n")
+    _warm_run(warm_server, str(script))
+    deadline = time.monotonic() + 30
+    while _warm_run(warm_server, str(script)).stdout != "True 1\n":  # learned: held by the interpreter
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    path.write_text("VERSION = 22\n")  # a `pip install -U`
+    after = _run(warm_server, str(script))
+    assert after.stdout.endswith(" 22\n"), after.stdout  # plain this once, or a fresh interpreter
+    assert "changed since it was imported" in warm_server.log()
+
+
+def test_retiring_the_interpreter_never_kills_a_run_in_progress(tmp_path):
+    runtime = Path(tempfile.mkdtemp(prefix="om-ret-", dir="/tmp"))
+    server = ServerProcess(runtime)
+    try:
+        _run(server, "-c", "pass")
+        _wait_warm(server)
+        script = tmp_path / "long.py"
+        script.write_text("import time\nprint('start', flush=True)\ntime.sleep(3)\nprint('end')\n")
+        proc = subprocess.Popen([OVERMIND, "run", str(script)], env=_env(server), stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "start\n"
+        server.cli("shutdown")  # retires every warm interpreter
+        assert proc.stdout.read() == "end\n" and proc.wait(timeout=30) == 0
+        proc.stdout.close()
+    finally:
+        server.stop()
+        subprocess.run(["rm", "-rf", str(runtime)])
+
+
+def test_without_a_server_the_run_is_plain_python(tmp_path):
+    runtime = Path(tempfile.mkdtemp(prefix="om-none-", dir="/tmp"))
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime), OVERMIND_NO_AUTOSTART="1")
+    script = tmp_path / "hello.py"
+    script.write_text("import os, sys\nprint('hello', sys.argv[1:])\nsys.exit(3)\n")
+    proc = subprocess.run([OVERMIND, "run", str(script), "x"], env=env, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "hello ['x']\n", "")
+    subprocess.run(["rm", "-rf", str(runtime)])
+
+
+WARM_START = '''"""A script that opts in with OVERMIND_WARM_START=1."""
+import overmind.api
+overmind.api.monkey_patch_all()
+import os, sys
+print(os.getppid(), sys.argv[1:], flush=True)
+sys.exit(6)
+'''
+
+
+def test_overmind_warm_start_hands_the_script_to_a_warm_child(warm_server, tmp_path):
+    script = tmp_path / "opt_in.py"
+    script.write_text(WARM_START)
+    env = _env(warm_server, OVERMIND_WARM_START="1")
+    _wait_warm(warm_server)
+    before = _runs(warm_server)
+    proc = subprocess.run([sys.executable, str(script), "q"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 6 and proc.stdout.split(" ", 1)[1] == "['q']\n", proc.stderr
+    assert _runs(warm_server) == before + 1
+    assert int(proc.stdout.split()[0]) != os.getpid()  # its parent is the warm interpreter, not pytest
+
+
+def test_overmind_warm_start_refuses_when_code_ran_before_the_call(warm_server, tmp_path):
+    script = tmp_path / "late.py"
+    script.write_text("import os\n" + WARM_START)
+    env = _env(warm_server, OVERMIND_WARM_START="1")
+    before = _runs(warm_server)
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 6 and int(proc.stdout.split()[0]) == os.getpid()  # ran here, a child of pytest
+    assert _runs(warm_server) == before
+
+
+def test_status_lists_the_warm_interpreters(warm_server):
+    out = warm_server.cli("status").stdout
+    line = next(line for line in out.splitlines() if line.startswith("WARM PID"))
+    assert "MODULES" in line and "PSS" in line and "AGE" in line
+    info = warm_server.status()["loaders"][0]
+    assert info["ready"] and info["modules"] > 100 and info["pss"] > 0 and info["runs"] >= 1
