@@ -112,15 +112,20 @@ def _size(env, name: str) -> Optional[int]:
         raise ConfigError(f"{name}: {err}") from None
 
 
+def runtime_dir_path(env=None) -> str:
+    """The runtime directory as a string, without importing pathlib (``overmind run``'s fast path)."""
+    env = os.environ if env is None else env
+    if env.get("OVERMIND_RUNTIME_DIR"):
+        return os.path.abspath(env["OVERMIND_RUNTIME_DIR"])
+    if env.get("XDG_RUNTIME_DIR"):
+        return os.path.join(env["XDG_RUNTIME_DIR"], "overmind")
+    return f"/tmp/overmind-{os.getuid()}"
+
+
 def default_runtime_dir(env=None) -> Path:
     from pathlib import Path
 
-    env = os.environ if env is None else env
-    if env.get("OVERMIND_RUNTIME_DIR"):
-        return Path(env["OVERMIND_RUNTIME_DIR"]).absolute()
-    if env.get("XDG_RUNTIME_DIR"):
-        return Path(env["XDG_RUNTIME_DIR"]) / "overmind"
-    return Path(f"/tmp/overmind-{os.getuid()}")
+    return Path(runtime_dir_path(env))
 
 
 def ensure_private_dir(path: Path) -> Path:

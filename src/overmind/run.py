@@ -12,6 +12,11 @@ has the caller's terminal or pipes themselves, so ``isatty()``, interleaving and
 stdin are those of plain python. The front end forwards signals and exits with the
 child's status; a death by a signal is reported as a shell would see it.
 
+Note [A light front end]
+``overmind run -c pass`` costs tens of milliseconds: this module imports only ``os`` and
+``sys`` at first; the path with no server (no socket file) execs plain python having read
+only the settings, and the protocol, ``socket`` and ``signal`` come in only to talk to a server.
+
 Note [Never worse than plain python]
 No server, a server that refuses or does not answer within the reply bound, or no warm
 interpreter ready yet for this context: the front end ``exec``\\ s plain python with the
@@ -23,22 +28,30 @@ one round trip, tens of milliseconds.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import sys
 
-from overmind import protocol as P
-from overmind.config import Config, ConfigError
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import socket
+
+    from overmind.config import Config
+
+# Note [A light front end]: the plain path (no server) imports neither the protocol nor signal;
+# both are imported by the functions that talk to a server.
 
 __all__ = ["main", "command", "parse", "run_spec", "hand_off", "wait_for", "exit_like"]
 
 USAGE = "usage: overmind run [--python PATH] (SCRIPT | -m MODULE | -c CODE) [ARGS...]"
 
-# Signals a terminal sends to its foreground process group: forwarded to the child's group.
-_GROUP_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP, signal.SIGCONT, signal.SIGWINCH)
-# Signals someone sends to this process (kill, a supervisor): forwarded to the child itself.
-_PROCESS_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
-_FORWARDED = _GROUP_SIGNALS + _PROCESS_SIGNALS
+
+
+def _signals() -> tuple[tuple, tuple]:
+    """(signals a terminal sends its foreground group: forwarded to the child's group,
+    signals sent to this process by kill or a supervisor: forwarded to the child itself)."""
+    import signal
+
+    return ((signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP, signal.SIGCONT, signal.SIGWINCH),
+            (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM))
 
 
 START_GRACE = 3.0
@@ -82,6 +95,8 @@ def _plain_argv(python: str, mode: str, target: str, args: list[str]) -> list[st
 
 def run_spec(mode: str, target: str, args: list[str]) -> dict:
     """What the warm child needs to become ``python <mode> <target> <args>`` (overmind.warm.become)."""
+    import signal
+
     umask = os.umask(0o022)
     os.umask(umask)
     # A plain python inherits the dispositions its shell set to SIG_IGN (nohup, `cmd &`).
@@ -99,18 +114,33 @@ def run_context(python: str) -> dict:
 
 
 def _start_server_in_background(config: Config) -> None:
-    """For next time: a detached ``overmind-server --daemon``; we do not wait for it."""
-    import subprocess
-
+    """For next time: a detached ``overmind-server --daemon`` (a grandchild, so the python we
+    exec into never has a child it did not make); we do not wait for it."""
+    env = dict(os.environ, OVERMIND_RUNTIME_DIR=str(config.runtime_dir))
+    argv = [sys.executable, "-m", "overmind.server", "--daemon"]
     try:
-        subprocess.Popen([sys.executable, "-m", "overmind.server", "--daemon"], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd="/",
-                         env=dict(os.environ, OVERMIND_RUNTIME_DIR=str(config.runtime_dir)))
+        pid = os.fork()
     except OSError:
-        pass
+        return
+    if pid == 0:
+        try:
+            os.setsid()
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            os.chdir("/")
+            if os.fork() == 0:
+                os.execve(argv[0], argv, env)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
 
 
 def _connect(config: Config) -> socket.socket:
+    import socket
+
+    from overmind import protocol as P
+
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(config.reply_timeout)
     try:
@@ -135,18 +165,25 @@ def hand_off(python: str, spec: dict, config: Config) -> tuple[socket.socket, in
     child may be running (and the user pressing Ctrl-C) before its pid reaches us. On None
     they are unblocked again, and one that came meanwhile acts on this process as it would have.
     """
-    signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
+    import signal
+
+    forwarded = sum(_signals(), ())
+    signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)
     started = _hand_off(python, spec, config)
     if started is None:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
     return started
 
 
 def _hand_off(python: str, spec: dict, config: Config) -> tuple[socket.socket, int] | None:
+    from overmind import protocol as P
+
     try:
         sock = _connect(config)
     except (FileNotFoundError, ConnectionRefusedError):
-        if config.autostart:
+        from overmind.client import server_holding
+
+        if config.autostart and not server_holding(config):
             _start_server_in_background(config)
         return None
     except (OSError, P.ProtocolError, P.RemoteError, EOFError):
@@ -170,10 +207,15 @@ def _hand_off(python: str, spec: dict, config: Config) -> tuple[socket.socket, i
 
 def wait_for(sock: socket.socket, pid: int) -> int:
     """Forward signals to the child until it exits; its raw wait status."""
+    import signal
+
+    from overmind import protocol as P
+
+    group_signals, process_signals = _signals()
 
     def forward(signum, frame):
         try:
-            if signum in _GROUP_SIGNALS:
+            if signum in group_signals:
                 os.killpg(pid, signum)
             else:
                 os.kill(pid, signum)
@@ -184,9 +226,10 @@ def wait_for(sock: socket.socket, pid: int) -> int:
             os.kill(os.getpid(), signal.SIGTSTP)
             signal.signal(signal.SIGTSTP, forward)
 
-    for signum in _FORWARDED:
+    for signum in group_signals + process_signals:
         signal.signal(signum, forward)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # blocked since hand_off: forwarded now
+    # blocked since hand_off: forwarded now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, group_signals + process_signals)
     sock.settimeout(None)
     while True:
         try:
@@ -204,6 +247,8 @@ def wait_for(sock: socket.socket, pid: int) -> int:
 
 def exit_like(status: int) -> None:
     """Leave as the child did: its exit code, or death by its signal (the shell then reports 128+n)."""
+    import signal
+
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         signal.signal(sig, signal.SIG_DFL)
@@ -220,12 +265,25 @@ def main(argv: list[str]) -> int:
         print(f"overmind run: {err}\n{USAGE}", file=sys.stderr)
         return 2
     plain = _plain_argv(python, mode, target, args)
-    try:
-        config = Config.from_env()
-    except ConfigError as err:
-        print(f"overmind run: {err}; running plainly", file=sys.stderr)
-        config = None
-    started = hand_off(python, run_spec(mode, target, args), config) if config and not config.disable else None
+    from overmind.config import Config, ConfigError, flag, runtime_dir_path
+
+    started = None
+    if flag("OVERMIND_DISABLE"):
+        pass
+    elif not os.path.exists(os.path.join(runtime_dir_path(), "server.sock")):
+        # Note [Never worse than plain python]: no server; start one for next time, unless told not to
+        if not flag("OVERMIND_NO_AUTOSTART"):
+            try:
+                _start_server_in_background(Config.from_env())
+            except ConfigError:
+                pass
+    else:
+        try:
+            config = Config.from_env()
+        except ConfigError as err:
+            print(f"overmind run: {err}; running plainly", file=sys.stderr)
+        else:
+            started = hand_off(python, run_spec(mode, target, args), config)
     if started is None:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -82,6 +82,19 @@ SCHEMA = {
     "memory": [{"scenario": str, "procs": int, "tensor_bytes": (int, None), "status": ("ok", "failed"),
                 "reason": (str, None), "plain": HOLDING + (None,), "overmind": HOLDING + (None,)}],
 }
+WHOLE_MODES = ("plain", "patched", "run", "first_run")
+WHOLE = {
+    "runs": int, "warmup_runs": int, "modes": [WHOLE_MODES], "context_var": str,
+    "scripts": [{"name": str, "title": str, "command": str, "run_command": str, "models": [str], "loads": int,
+                 "tensor_bytes": (int, None), "file_bytes": int, "status": ("ok", "skipped", "failed"),
+                 "reason": (str, None),
+                 "results": [{"mode": WHOLE_MODES, "page_cache": ("warm", "cold"),
+                              "runs": [{"ready": (float, None), "used": (float, None), "wall": float, "forked": bool,
+                                        "hits": int, "misses": int}],
+                              "summary": {"ready": (SUMMARY, None), "used": (SUMMARY, None), "wall": SUMMARY},
+                              "x_plain": {"ready": (float, None), "used": (float, None), "wall": (float, None)}}]}],
+}
+SCHEMA["whole_process"] = (WHOLE, None)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +155,51 @@ def test_quick_run_covers_every_scenario_and_writes_the_documented_json(tmp_path
     assert "private overmind-server pid" in proc.stderr
 
 
+@pytest.mark.slow
+def test_whole_process_times_each_script_from_the_shell_in_the_mode_it_claims(tmp_path):
+    """overmind.bench.whole: every run is checked by the bench itself (Note [Every run proves its
+    mode]: a run mode that was not forked, a patched call that missed, fail the script); here the
+    JSON must say the same, run by run."""
+    out = tmp_path / "bench.json"
+    proc = bench("--scenarios", "whole_process", "--scale", "tiny", "--whole-runs", "1",
+                 "--cache-dir", str(tmp_path / "cache"), "--json", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    doc = json.loads(out.read_text())
+    check_schema(doc, SCHEMA)
+    assert doc["scenarios"] == [] and doc["memory"] == [] and doc["startup"] is None
+    whole = doc["whole_process"]
+    assert (whole["runs"], whole["warmup_runs"], whole["modes"]) == (1, 2, list(WHOLE_MODES))
+    scripts = {s["name"]: s for s in whole["scripts"]}
+    assert list(scripts) == ["controlnet", "lm", "imports"]
+    assert scripts["imports"]["command"] == 'python -c "import torch, diffusers, transformers"'
+    assert scripts["imports"]["run_command"] == 'overmind run -c "import torch, diffusers, transformers"'
+    assert (scripts["controlnet"]["loads"], scripts["lm"]["loads"], scripts["imports"]["loads"]) == (4, 1, 0)
+    for name, script in scripts.items():
+        assert script["status"] == "ok", script["reason"]
+        modes = ["plain", "run", "first_run"] if name == "imports" else list(WHOLE_MODES)
+        assert [(r["mode"], r["page_cache"]) for r in script["results"]] == [(m, "warm") for m in modes]
+        for result in script["results"]:
+            [run] = result["runs"]
+            mode = result["mode"]
+            # Only the run mode is forked from a warm interpreter; the first run of a new context
+            # is refused and runs plainly.
+            assert run["forked"] is (mode == "run"), (name, mode)
+            assert (run["hits"], run["misses"]) == ((0 if mode == "plain" else script["loads"]), 0), (name, mode)
+            if name == "imports":
+                assert run["ready"] is None and run["used"] is None and result["x_plain"]["ready"] is None
+            else:
+                assert 0 < run["ready"] <= run["used"] <= run["wall"], (name, mode, run)
+            assert result["summary"]["wall"]["n"] == 1
+        assert script["results"][0]["x_plain"]["wall"] == 1.0
+        if name != "imports":
+            assert script["tensor_bytes"] > 0 and script["file_bytes"] > 0
+    # A forked run skips interpreter start-up and imports: far below plain, even for kilobyte models.
+    run = next(r for r in scripts["imports"]["results"] if r["mode"] == "run")
+    assert run["x_plain"]["wall"] < 0.5
+    assert "whole process: a script started from the shell" in proc.stdout
+    assert "\ncontrolnet: `python controlnet.py`" in proc.stdout and "overmind run, new context" in proc.stdout
+
+
 def test_usage_errors_exit_2_and_say_what_is_wrong(tmp_path):
     for args, message in [
         (["--loader", "diffusers:DiffusionPipeline"], "--loader and --model go together"),
@@ -149,6 +207,9 @@ def test_usage_errors_exit_2_and_say_what_is_wrong(tmp_path):
         (["--modes", "cold,warm"], "--modes must include plain"),
         (["--runs", "0"], "--runs must be at least 1"),
         (["--scenarios", "custom"], "--scenarios custom needs --loader and --model"),
+        (["--whole-modes", "run,patched"], "--whole-modes must include plain"),
+        (["--whole-scripts", "lm,nope"], "--whole-scripts: unknown nope"),
+        (["--whole-runs", "0"], "--whole-runs must be at least 1"),
     ]:
         proc = bench(*args, "--cache-dir", str(tmp_path))
         assert proc.returncode == 2, (args, proc.stderr)

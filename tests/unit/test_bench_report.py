@@ -29,6 +29,14 @@ def test_quick_is_small_one_run_two_holders_one_process_per_mode():
     assert [s.name for s in quick.memory_cases] == ["controlnet"]
     assert [s.name for s in full.memory_cases] == ["controlnet", "fp32_as_fp16"]
     assert quick.startup and full.startup
+    # The whole-process scenario: every script, 3 timed runs per mode in --quick, 5 otherwise.
+    assert quick.whole_scripts == full.whole_scripts == ("controlnet", "lm", "imports")
+    assert (quick.whole_runs, full.whole_runs) == (3, 5)
+    assert full.whole_modes == ("plain", "patched", "run", "first_run")
+    only = plan_of("--scenarios", "lm", "--whole-runs", "2")
+    assert only.whole_scripts == () and [s.name for s in only.scenarios] == ["lm"]
+    picked = plan_of("--scenarios", "whole_process", "--whole-scripts", "imports,lm", "--whole-modes", "run,plain")
+    assert (picked.whole_scripts, picked.whole_modes, picked.scenarios) == (("imports", "lm"), ("plain", "run"), [])
 
 
 def test_explicit_options_win_over_quick_defaults_and_modes_keep_their_order():
@@ -51,6 +59,8 @@ def test_a_users_model_is_the_custom_scenario(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--dtype", "float17", "--loader", "a:b", "--model", "m"], "not a torch dtype"),
     (["--memory-cases", "nope"], "--memory-cases: unknown nope"),
+    (["--whole-scripts", "controlnet,bash"], "--whole-scripts: unknown bash"),
+    (["--whole-modes", "patched"], "--whole-modes must include plain"),
 ])
 def test_bad_arguments_raise_value_error_with_the_option_name(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -127,3 +137,57 @@ def test_table_shows_each_phase_the_ratio_and_the_memory_growth():
     assert "lm: AutoModelForCausalLM.from_pretrained" in text and "2.20 GB of tensors" in text
     assert "8.00 GB (3.60x)" in text and "2.30 GB (1.05x)" in text
     assert "adds 34.0 ms" in text
+
+
+def _whole_results() -> dict:
+    """What WholeProcess.run() returns: the lm script (plain, patched, run; page cache warm and cold),
+    the imports command (no model: wall time only)."""
+    from overmind.bench.whole import SCRIPTS
+
+    def runs(ready: float, wall: float, forked=False, hits=0) -> list[dict]:
+        return [{"ready": ready + i, "used": ready + i + 0.1, "wall": wall + i, "forked": forked, "hits": hits,
+                 "misses": 0} for i in range(3)]
+
+    lm_runs = {("plain", "warm"): runs(5.0, 6.0), ("patched", "warm"): runs(4.5, 5.5, hits=1),
+               ("run", "warm"): runs(0.2, 0.5, True, 1), ("plain", "cold"): runs(7.0, 8.0),
+               ("run", "cold"): runs(0.25, 0.55, True, 1)}
+    imports_runs = {("plain", "warm"): [{"ready": None, "used": None, "wall": w, "forked": False, "hits": 0,
+                                         "misses": 0} for w in (4.0, 4.2)],
+                    ("run", "warm"): [{"ready": None, "used": None, "wall": w, "forked": True, "hits": 0,
+                                       "misses": 0} for w in (0.1, 0.3)]}
+    return {"scripts": {
+        "lm": {"script": SCRIPTS["lm"], "runs": lm_runs, "status": "ok", "reason": None,
+               "tensor_bytes": 2_200_000_000, "file_bytes": 2_200_000_100, "command": "python lm.py"},
+        "imports": {"script": SCRIPTS["imports"], "runs": imports_runs, "status": "ok", "reason": None,
+                    "tensor_bytes": None, "file_bytes": 0, "command": ""}}}
+
+
+def test_whole_process_document_orders_rows_divides_by_plain_and_validates():
+    plan = Plan(scenarios=[], memory_cases=[], startup=False, whole_scripts=("lm", "imports"), whole_runs=3)
+    doc = report.document(plan, {"scenarios": {}, "memory": []}, None, cache_dir="/tmp/cache", wall_s=1.0,
+                          cuda_device=None, argv=["overmind-bench"], whole=_whole_results())
+    doc = json.loads(json.dumps(doc))
+    report.validate(doc)
+    lm, imports = doc["whole_process"]["scripts"]
+    assert [(r["mode"], r["page_cache"]) for r in lm["results"]] == [
+        ("plain", "warm"), ("patched", "warm"), ("run", "warm"), ("plain", "cold"), ("run", "cold")]
+    run_warm, run_cold = lm["results"][2], lm["results"][4]
+    assert run_warm["x_plain"]["wall"] == pytest.approx(1.5 / 7.0)  # medians of 0.5, 1.5, 2.5 and 6, 7, 8
+    assert run_warm["x_plain"]["ready"] == pytest.approx(1.2 / 6.0)
+    assert run_cold["x_plain"]["used"] == pytest.approx(1.35 / 8.1)  # against plain with the page cache cold
+    assert imports["results"][1]["x_plain"] == {"ready": None, "used": None, "wall": pytest.approx(0.2 / 4.1)}
+    assert imports["command"] == 'python -c "import torch, diffusers, transformers"'
+
+    bad = copy.deepcopy(doc)
+    bad["whole_process"]["scripts"][0]["results"][0]["runs"][0].pop("forked")
+    with pytest.raises(ValueError, match=re.escape("$.whole_process.scripts[0].results[0].runs[0]: missing")):
+        report.validate(bad)
+
+    text = report.format_tables(doc)
+    assert text.index("whole process:") < text.index("wall time")
+    lines = text.splitlines()
+    row = next(line for line in lines if line.startswith("overmind run, page cache cold"))
+    assert row.split()[5:] == ["1.250", "1.350", "1.550", "(0.550-2.550)", "0.154", "0.167", "0.191"]
+    assert "imports: `python -c \"import torch, diffusers, transformers\"`" in text
+    bare = next(line for line in lines if line.startswith("overmind run ") and "page cache" not in line)
+    assert bare.split()[2:4] == ["-", "-"]  # no model: no ready, no used
