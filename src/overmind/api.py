@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up budget)
 
@@ -103,6 +104,12 @@ _spare_lock = threading.Lock()
 _warmed = False
 _warned = False
 _warn_lock = threading.Lock()
+# Note [A silent server is skipped for a while]
+# A server that cannot be reached or does not answer within OVERMIND_REPLY_TIMEOUT costs one
+# call that bound; the calls of the next SERVER_DOWN_BACKOFF seconds go straight to the
+# original, so a script with many loads against a stopped server is not slowed at each one.
+SERVER_DOWN_BACKOFF = 10.0
+_server_down_until = 0.0
 
 
 def _connection(config: "Config"):
@@ -207,6 +214,9 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
         return target.original(*args, **kwargs)
     description = target.name
     remember = None  # the key a plain result is filed under (a miss that the server is loading)
+    global _server_down_until
+    if _server_down_until and time.monotonic() < _server_down_until and not flag("OVERMIND_STRICT"):
+        return target.original(*args, **kwargs)  # Note [A silent server is skipped for a while]
     try:
         config = Config.from_env()
         from overmind.calls import Uncacheable, encode_call
@@ -230,6 +240,10 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
                     _warn_once(f"the cache cannot load this call ({pending.reason})")
     except Exception as err:
         _drop_connection()
+        from overmind.client import ServerUnavailable
+
+        if isinstance(err, (ServerUnavailable, TimeoutError)) and not flag("OVERMIND_STRICT"):
+            _server_down_until = time.monotonic() + SERVER_DOWN_BACKOFF
         if flag("OVERMIND_STRICT"):
             raise OvermindError(f"overmind could not load {description}: {err}") from err
         _warn_once(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} ({description})")

@@ -272,6 +272,9 @@ class Connection:
         except Segment.Mismatch as err:
             _close_all(mappings)
             raise SegmentChanged(f"entry {entry.key[:16]} changed while we opened it: {err}") from None
+        except OSError as err:  # the number now names something that cannot be opened (a socket: ENXIO)
+            _close_all(mappings)
+            raise SegmentChanged(f"entry {entry.key[:16]} changed while we opened it: {err}") from None
         except BaseException:
             _close_all(mappings)
             raise

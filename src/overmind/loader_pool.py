@@ -345,6 +345,8 @@ class LoaderPool:
         try:
             return zygote.fork_run(spec, fds)
         except P.RemoteError as err:
+            if err.code != P.ErrorCode.NOT_FORKABLE:
+                raise RunRefused(err.message) from None
             self._retire(zygote, err.message)
             threading.Thread(target=self.prepare, args=(context,), daemon=True, name="overmind-prepare").start()
             raise RunRefused(f"the warm interpreter cannot fork ({err.message}); a fresh one is starting") from None

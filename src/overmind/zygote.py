@@ -309,8 +309,8 @@ class WarmInterpreter:
             key = message.key
         else:
             pid = self._fork_run(message, fds)
-            if pid < 0:
-                P.send_message(self.control, P.JobFailed("run", P.ErrorCode.NOT_FORKABLE,
+            if pid < 0:  # not this interpreter's fault: BAD_REQUEST, so it is not retired
+                P.send_message(self.control, P.JobFailed("run", P.ErrorCode.BAD_REQUEST,
                                                          "the front end left before its run started"))
                 return
             key = "run"

@@ -92,10 +92,9 @@ def test_argv_path_main_cwd_environment_umask_and_exit_status_are_plain_pythons(
     (tmp_path / "report_script.py").write_text(REPORT)
     args = {"script": [str(tmp_path / "report_script.py")], "module": ["-m", "report_mod"],
             "code": ["-c", REPORT]}[mode] + ["a", "b c"]
-    env = _env(warm_server, OVERMIND_TEST_VAR="only-in-this-run", PYTHONPATH=str(tmp_path))
-    if mode != "module":
-        env.pop("PYTHONPATH")
+    env = _env(warm_server, OVERMIND_TEST_VAR="only-in-this-run")
     if mode == "module":  # a PYTHONPATH selects another interpreter: warm one up for it
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH", "")) if p)
         _run(warm_server, "-c", "pass", env=env, cwd=work)
         _wait_until_forked(warm_server, env, work)
     warm = _warm_run(warm_server, *args, env=env, cwd=work, preexec_fn=lambda: os.umask(0o027))

@@ -187,7 +187,7 @@ def test_whole_process_document_orders_rows_divides_by_plain_and_validates():
     assert text.index("whole process:") < text.index("wall time")
     lines = text.splitlines()
     row = next(line for line in lines if line.startswith("overmind run, page cache cold"))
-    assert row.split()[5:] == ["1.250", "1.350", "1.550", "(0.550-2.550)", "0.154", "0.167", "0.191"]
+    assert row.split()[5:] == ["1.250", "1.350", "1.550", "(0.550-2.550)", "0.156", "0.167", "0.172"]
     assert "imports: `python -c \"import torch, diffusers, transformers\"`" in text
     bare = next(line for line in lines if line.startswith("overmind run ") and "page cache" not in line)
     assert bare.split()[2:4] == ["-", "-"]  # no model: no ready, no used

@@ -283,9 +283,9 @@ def format_tables(doc: dict) -> str:
     device = settings["device"]
     per = ("one process per mode and run, scenarios in turn" if settings["process_per"] == "run"
            else "a fresh process per run")
-    out.append(f"overmind-bench: scale {settings['scale']}, device {device}, {per}; seconds, median "
-               f"(min-max) of {settings['runs']} runs (warm: {settings['warm_runs']}); "
-               "import = interpreter start to libraries imported")
+    loads = f", {per}; seconds, median (min-max) of {settings['runs']} runs (warm: {settings['warm_runs']}); " \
+        "import = interpreter start to libraries imported" if doc["scenarios"] else ""
+    out.append(f"overmind-bench: scale {settings['scale']}, device {device}{loads}")
     if settings["page_cache_method"]:
         out.append(f"page cache cold: {settings['page_cache_method']} on every file of the model before each run")
     if doc.get("whole_process"):

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from overmind.bench.harness import BenchError, BenchServer, base_env, drop_page_cache
+from overmind.bench.harness import BenchServer, base_env, drop_page_cache
 from overmind.bench.models import model_files
 
 __all__ = ["SCRIPTS", "MODES", "CONTEXT_VAR", "Script", "WholeProcess", "script_source"]
@@ -102,7 +102,6 @@ SCRIPTS: dict[str, Script] = {s.name: s for s in (
 
 _PRELUDE = '''\
 import os
-import sys
 import time
 
 if os.environ.get("OVERMIND") == "1":  # the bench's patched and run modes
