@@ -690,12 +690,14 @@ def _module_paths(name: str, module: object) -> list[str] | None:
         return []
 
 
-def installed_modules(prefixes: tuple[str, ...] | None = None, *, exclude: Iterable[str] = ()) -> list[str]:
+def installed_modules(prefixes: tuple[str, ...] | None = None, *, exclude: Iterable[str] = (),
+                      skip: "frozenset[str] | set[str]" = frozenset()) -> list[str]:
     """Names of modules in sys.modules whose file lies under an installed location (stdlib, site-packages, dist-packages), never the user's own code (the script's folder, the cwd, editable installs / anything else on PYTHONPATH outside site-packages). Used to learn what to pre-import.
 
     In import order, the order to import them in. ``prefixes`` replaces the installed
     locations; ``exclude`` adds user folders to the cwd and the running script's folder
     (a warm run's script folder is known even after CPython-style cleanup dropped __file__).
+    ``skip``: names not to look at (those a warm interpreter held when it forked the run).
 
     Note [Installed means found under an installed prefix]
     Each file is resolved (realpath) and given to the deepest folder holding it among the
@@ -733,7 +735,7 @@ def installed_modules(prefixes: tuple[str, ...] | None = None, *, exclude: Itera
 
     names = []
     for name, module in list(sys.modules.items()):
-        if name in ("__main__", "__mp_main__") or module is None:
+        if name in ("__main__", "__mp_main__") or module is None or name in skip:
             continue
         paths = _module_paths(name, module)
         if paths is None or (paths and all(is_installed(p) for p in paths)):

@@ -386,11 +386,14 @@ def _report_modules_at_exit(fd: int) -> None:
     """At the run's exit (the first atexit callback, so it runs last): its installed modules."""
     import atexit
 
+    held = frozenset(sys.modules)  # what the interpreter has already: only the rest is news
+
     def report() -> None:
         try:
             from overmind.warm import installed_modules
 
-            data = json.dumps(installed_modules()).encode()
+            news = not held.issuperset(sys.modules)
+            data = json.dumps(installed_modules(skip=held) if news else []).encode()
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

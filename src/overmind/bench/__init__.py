@@ -8,6 +8,10 @@
 Models are generated on this machine with random weights (no hub access) into a reusable
 cache folder (``--cache-dir``, default ``~/.cache/overmind-bench``). Scenarios:
 
+- ``whole_process``: what a user waits for: a script started from the shell, to its model
+  ready and to first use of every weight, as ``python script.py``, ``python script.py`` with
+  ``monkey_patch_all()`` (cache warm), ``overmind run script.py`` (cache and interpreter warm)
+  and the first ``overmind run`` of a new context (:mod:`overmind.bench.whole`);
 - ``controlnet``: the seed's workload: AutoencoderKL, two ControlNetModels and
   StableDiffusionControlNetPipeline(vae=vae, controlnet=[edge, depth]), fp16 safetensors;
 - ``lm``: a Llama-style causal LM in bf16 (1.1 B parameters at the default scale);
@@ -18,10 +22,11 @@ cache folder (``--cache-dir``, default ``~/.cache/overmind-bench``). Scenarios:
 - ``memory``: K processes hold a model, plain vs overmind: summed PSS and used memory;
 - ``startup``: what ``import overmind.api; monkey_patch_all()`` adds to an interpreter.
 
-Each load runs in a fresh process in three modes: plain (``OVERMIND_DISABLE=1``), overmind
-cold (after evicting the cache) and overmind warm; with ``--drop-page-cache`` each mode runs
-again with the model's files evicted from the page cache. Every call is timed, then
-``.to(device)``, then the first use of every weight. The bench starts its own
+Each load of the load scenarios runs in a fresh process in three modes: plain
+(``OVERMIND_DISABLE=1``), overmind cold (after evicting the cache) and overmind warm; with
+``--drop-page-cache`` each mode (of every scenario) runs again with the model's files evicted
+from the page cache. Every call is timed, then ``.to(device)``, then the first use of every
+weight. The bench starts its own
 overmind-server in a private runtime directory and stops it at the end: it never touches
 your server or its cache. ``--json FILE`` writes every figure (schema:
 :mod:`overmind.bench.report`); ``--plot FILE.png`` draws them (needs matplotlib:

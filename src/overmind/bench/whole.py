@@ -251,9 +251,11 @@ class WholeProcess:
         marks = {}
         for line in out.splitlines():
             at = line.find(MARK)
-            if at >= 0:
-                what, t, pid, ppid, *more = line[at + len(MARK):].split()
+            try:
+                what, t, pid, ppid, *more = line[at + len(MARK):].split() if at >= 0 else ()
                 marks[what] = (float(t) - start, int(pid), int(ppid), more)
+            except ValueError:  # not a line of ours (or cut short): the checks below say so
+                continue
         run = {"status": proc.returncode, "ready": marks["ready"][0] if "ready" in marks else None,
                "used": marks["used"][0] if "used" in marks else None, "wall": wall,
                "forked": after["runs"] - before["runs"] == 1,
