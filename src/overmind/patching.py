@@ -151,6 +151,7 @@ class _Record:
         self.original = original  # descriptor-unwrapped; what the factory received
         self.guard = guard
         self.active = active
+        self.copies: list[tuple[type, Any]] = []  # (subclass, raw attribute): Note [Copies of a patched classmethod]
 
 
 _lock = threading.RLock()
@@ -257,7 +258,37 @@ def _apply(point: PatchPoint, make_wrapper: WrapperFactory) -> None:
         _warn_once(point, f"attribute cannot be replaced ({exc})")
         return
     _records[point] = record
+    if isinstance(owner, type) and kind is classmethod:
+        record.copies = _patch_copies(owner, name, func, record.guard)
     logger.debug("overmind: patched %s", point)
+
+
+def _patch_copies(owner: type, name: str, func: Any, guard: Callable[..., Any]) -> list[tuple[type, Any]]:
+    """Note [Copies of a patched classmethod]
+    transformers gives each Auto class its own copy of ``_BaseAutoModelClass.from_pretrained``
+    (``copy_func``: a new function object over the same code) when the class is created. A
+    class created after patching copies our guard; one created before (transformers imported
+    before ``monkey_patch_all()``, as in every warm interpreter) keeps a copy of the original
+    and would bypass the patch. So subclasses whose own attribute is a classmethod over the
+    original's code object are patched too, and restored by :func:`unpatch_all`."""
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return []
+    copies, seen, todo = [], set(), list(owner.__subclasses__())
+    while todo:
+        klass = todo.pop()
+        if klass in seen:
+            continue
+        seen.add(klass)
+        todo.extend(klass.__subclasses__())
+        raw = vars(klass).get(name)
+        if isinstance(raw, classmethod) and getattr(raw.__func__, "__code__", None) is code:
+            try:
+                setattr(klass, name, classmethod(guard))
+                copies.append((klass, raw))
+            except (AttributeError, TypeError):
+                pass
+    return copies
 
 
 def _apply_pending(module_name: str) -> None:
@@ -372,6 +403,9 @@ def unpatch_all() -> None:
                 setattr(owner, name, record.saved)
             else:
                 delattr(owner, name)
+            for klass, raw in record.copies:
+                if _func_of(vars(klass).get(name)) is record.guard:
+                    setattr(klass, name, raw)
         _records.clear()
         _pending.clear()
         _warned.clear()

@@ -621,6 +621,25 @@ def test_transformers_lazy_import_patches_pretrained_model_classmethod() -> None
     )
 
 
+@needs("torch", "transformers")
+def test_auto_classes_created_before_patching_are_patched_and_restored() -> None:
+    # A warm interpreter imported transformers before the run's monkey_patch_all(): each Auto
+    # class already holds its own copy of the original from_pretrained (copy_func).
+    run_script(
+        """
+        from transformers import AutoModelForCausalLM, AutoModel
+        copied = AutoModelForCausalLM.__dict__["from_pretrained"]
+        point = P("transformers.models.auto.auto_factory::_BaseAutoModelClass.from_pretrained")
+        patching.patch([point], sentinel_factory)
+        assert AutoModelForCausalLM.from_pretrained("/models/lm", dtype="bfloat16") is SENTINEL
+        assert AutoModel.from_pretrained("/models/enc") is SENTINEL
+        assert [c[1] for c in CALLS] == [AutoModelForCausalLM, AutoModel], CALLS
+        patching.unpatch_all()
+        assert AutoModelForCausalLM.__dict__["from_pretrained"] is copied
+        """
+    )
+
+
 # --- upstream signatures the wrappers rely on ----------------------------------------------------
 
 
