@@ -70,14 +70,14 @@ import marshal
 import os
 import runpy
 import signal
-import site
 import sys
-import sysconfig
 import time
 import traceback
 import types
 from dataclasses import dataclass
-from typing import Callable, Iterable, NoReturn
+from typing import Callable, NoReturn
+
+from overmind.installed import RUN_FOLDERS, installed_modules  # noqa: F401  (installed_modules: re-exported)
 
 __all__ = ["become", "installed_modules", "ZYGOTE_ENV"]
 
@@ -106,7 +106,6 @@ _THIS_FILE = (lambda: None).__code__.co_filename
 # them alive and untouched here until os._exit.
 _ZYGOTE_STREAMS: list = []
 # The folder a run put at sys.path[0] (its script's, or the cwd): the user's, for installed_modules().
-_RUN_FOLDERS: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -396,10 +395,10 @@ def _set_argv_and_path(run: _Run) -> bool:
         sys.argv, path = [run.target, *run.argv], _script_path(run.target)
         if _is_importer_path(path):
             sys.path.insert(0, path)
-            _RUN_FOLDERS.append(path)
+            RUN_FOLDERS.append(path)
             return True
         path0 = os.path.dirname(os.path.realpath(path))
-    _RUN_FOLDERS.append(path0 or os.getcwd())
+    RUN_FOLDERS.append(path0 or os.getcwd())
     if not _run_flag("PI", "PYTHONSAFEPATH", run.env):
         sys.path.insert(0, path0)
     return False
@@ -662,82 +661,3 @@ def _flush_left_open() -> None:
                 stream.flush()
         except BaseException:  # noqa: BLE001 - a fresh python would not report it either
             pass
-
-
-# --------------------------------------------------------------------------- what to pre-import
-
-def _installed_prefixes() -> list[str]:
-    paths = sysconfig.get_paths()
-    found = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
-    try:
-        found += [*site.getsitepackages(), site.getusersitepackages()]
-    except AttributeError:  # an old virtualenv's site module
-        pass
-    return found
-
-
-def _module_paths(name: str, module: object) -> list[str] | None:
-    """The files a module came from; None for a built-in or frozen module (stdlib)."""
-    file = getattr(module, "__file__", None)
-    if isinstance(file, str) and file:
-        return [file]
-    origin = getattr(getattr(module, "__spec__", None), "origin", None)
-    if origin in ("built-in", "frozen") or name in sys.builtin_module_names:
-        return None
-    try:
-        return [p for p in getattr(module, "__path__", None) or () if isinstance(p, str)]
-    except Exception:  # noqa: BLE001 - a broken namespace path: nothing to pre-import
-        return []
-
-
-def installed_modules(prefixes: tuple[str, ...] | None = None, *, exclude: Iterable[str] = (),
-                      skip: "frozenset[str] | set[str]" = frozenset()) -> list[str]:
-    """Names of modules in sys.modules whose file lies under an installed location (stdlib, site-packages, dist-packages), never the user's own code (the script's folder, the cwd, editable installs / anything else on PYTHONPATH outside site-packages). Used to learn what to pre-import.
-
-    In import order, the order to import them in. ``prefixes`` replaces the installed
-    locations; ``exclude`` adds user folders to the cwd and the running script's folder
-    (a warm run's script folder is known even after CPython-style cleanup dropped __file__).
-    ``skip``: names not to look at (those a warm interpreter held when it forked the run).
-
-    Note [Installed means found under an installed prefix]
-    Each file is resolved (realpath) and given to the deepest folder holding it among the
-    installed prefixes and the user's folders; it counts only if that is an installed prefix (a
-    tie goes to the user). So a venv inside the project (cwd ~/proj, packages in ~/proj/.venv)
-    counts, a module beside the script never does, and an editable install (a .pth path or a
-    finder pointing into ~/proj/src, a symlink into the project) lies outside every prefix. A
-    namespace package counts only if all its portions do.
-    """
-    installed = [os.path.realpath(p) for p in (_installed_prefixes() if prefixes is None else prefixes)]
-    users = [*exclude, *_RUN_FOLDERS]  # a run's script folder, even once __file__ is gone
-    try:
-        users.append(os.getcwd())
-    except OSError:
-        pass
-    main = sys.modules.get("__main__")
-    if isinstance(getattr(main, "__file__", None), str) and getattr(main, "__spec__", None) is None:
-        users.append(os.path.dirname(main.__file__))  # a script's (-m puts the cwd first)
-    users = [os.path.realpath(p) for p in users]
-    real_dirs: dict[str, str] = {}
-
-    def real(path: str) -> str:  # realpath, with one lookup per folder rather than per file
-        folder, base = os.path.split(path)
-        if folder not in real_dirs:
-            real_dirs[folder] = os.path.realpath(folder)
-        joined = os.path.join(real_dirs[folder], base)
-        return os.path.realpath(joined) if os.path.islink(joined) else joined
-
-    def depth(path: str, folders: list[str]) -> int:
-        return max((len(f) for f in folders if path == f or path.startswith(f.rstrip("/") + "/")), default=-1)
-
-    def is_installed(path: str) -> bool:
-        path = real(path)
-        return depth(path, installed) > depth(path, users)
-
-    names = []
-    for name, module in list(sys.modules.items()):
-        if name in ("__main__", "__mp_main__") or module is None or name in skip:
-            continue
-        paths = _module_paths(name, module)
-        if paths is None or (paths and all(is_installed(p) for p in paths)):
-            names.append(name)
-    return names

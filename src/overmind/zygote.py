@@ -11,7 +11,7 @@ reports its exit status to the front end (``RunExited``) when it reaps it.
 
 Note [Warm interpreters]
 A warm interpreter holds only code that cannot change under it: the standard library and
-installed packages (``overmind.warm.installed_modules``), never the user's own code (the
+installed packages (``overmind.installed.installed_modules``), never the user's own code (the
 script's folder, the cwd, editable installs, ``PYTHONPATH`` outside site-packages), so an
 edit to the user's code is seen by the next run. It records the size and mtime of every
 file it imported from; before each fork it checks them, and one that changed (a ``pip
@@ -119,7 +119,7 @@ class WarmInterpreter:
         P.send_message(self.control, P.LoaderReady(os.getpid(), imported))
 
     def _import(self, names) -> list[str]:
-        from overmind.warm import installed_modules
+        from overmind.installed import installed_modules
 
         done = []
         for name in names:
@@ -139,7 +139,7 @@ class WarmInterpreter:
         return done
 
     def _record_files(self) -> None:
-        from overmind.warm import installed_modules
+        from overmind.installed import installed_modules
 
         for name in installed_modules(exclude=()):
             path = getattr(sys.modules.get(name), "__file__", None)
@@ -390,7 +390,7 @@ def _report_modules_at_exit(fd: int) -> None:
 
     def report() -> None:
         try:
-            from overmind.warm import installed_modules
+            from overmind.installed import installed_modules
 
             news = not held.issuperset(sys.modules)
             data = json.dumps(installed_modules(skip=held) if news else []).encode()
@@ -407,7 +407,7 @@ def _report_modules_at_exit(fd: int) -> None:
 
 def _installed(name: str) -> bool:
     """Is ``name`` importable from an installed location (never the user's code)?"""
-    from overmind.warm import _installed_prefixes
+    from overmind.installed import installed_prefixes
 
     try:
         spec = importlib.util.find_spec(name)
@@ -418,7 +418,7 @@ def _installed(name: str) -> bool:
     if spec.origin in ("built-in", "frozen"):
         return True
     paths = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
-    prefixes = [os.path.join(os.path.realpath(p), "") for p in _installed_prefixes()]
+    prefixes = [os.path.join(os.path.realpath(p), "") for p in installed_prefixes()]
     return bool(paths) and all(os.path.realpath(p).startswith(tuple(prefixes)) for p in paths)
 
 
