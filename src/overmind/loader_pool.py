@@ -146,7 +146,7 @@ class RunRefused(Exception):
 class Zygote:
     """One warm interpreter for a context (overmind.zygote); forks a child per load or run."""
 
-    def __init__(self, context: Context, config: Config, modules: list) -> None:
+    def __init__(self, context: Context, config: Config, modules: list, refused: list = ()) -> None:
         self.context = context
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(context.env)
@@ -164,11 +164,12 @@ class Zygote:
             theirs.close()
         self.sock = ours
         self.sock.settimeout(READY_TIMEOUT)
-        P.send_message(self.sock, P.Warm(list(modules)))
+        P.send_message(self.sock, P.Warm(list(modules), refused=list(refused)))
         self.lock = threading.Lock()
         self.ready = False
         self.retired = False
         self.imported: list = []
+        self.refused: list = []  # modules that started a thread in it (Note [Forking past torch's thread])
         self.learned: list = []  # what its runs imported beyond its pre-imports
         self.modules = 0
         self.jobs = 0
@@ -188,6 +189,7 @@ class Zygote:
         _close(fds)
         ready = P.expect(message, P.LoaderReady, "from a warm interpreter")
         self.imported = list(ready.imported)
+        self.refused = list(ready.refused)
         self.ready = True
         logger.info("warm interpreter %d ready (imported %d modules)", self.proc.pid, len(self.imported))
 
@@ -203,6 +205,7 @@ class Zygote:
             reply, _, got = P.recv_message(self.sock, max_blob=0)
             _close(got)
             if isinstance(reply, P.JobFailed):
+                self.refused = sorted(set(self.refused) | {n for n in reply.refused if isinstance(n, str)})
                 raise P.RemoteError(reply.code, reply.message, reply.traceback)
             started = P.expect(reply, P.JobStarted, "from a warm interpreter")
             self.modules = started.modules
@@ -273,6 +276,7 @@ class LoaderPool:
         self.lock = threading.Lock()
         self.zygotes: "OrderedDict[str, Zygote]" = OrderedDict()
         self.learned: dict[str, list] = {}  # context key -> installed modules its runs and loads imported
+        self.refused: dict[str, set] = {}  # context key -> modules that started a thread when imported
         self.retired = 0
 
     def _modules_for(self, context: Context) -> list:
@@ -283,6 +287,9 @@ class LoaderPool:
         for name in [*zygote.imported, *zygote.learned]:
             if name not in known and len(known) < MAX_LEARNED:
                 known.append(name)
+        refused = self.refused.setdefault(zygote.context.key, set())
+        refused.update(zygote.refused)
+        known[:] = [name for name in known if name not in refused]
 
     def _zygote(self, context: Context, create: bool = True) -> Zygote | None:
         with self.lock:
@@ -294,7 +301,8 @@ class LoaderPool:
                 zygote.retire()
                 zygote = None
             if zygote is None and create:
-                zygote = self.zygotes[context.key] = Zygote(context, self.config, self._modules_for(context))
+                zygote = self.zygotes[context.key] = Zygote(context, self.config, self._modules_for(context),
+                                                            sorted(self.refused.get(context.key, ())))
             if zygote is not None:
                 self.zygotes.move_to_end(context.key)
             victims = []

@@ -340,6 +340,7 @@ class Warm(Message):
 
     TYPE: ClassVar[int] = 45
     modules: list
+    refused: list = []  # never to import: they started a thread (Note [Forking past torch's thread])
 
 
 @message
@@ -364,6 +365,7 @@ class LoaderReady(Message):
     TYPE: ClassVar[int] = 40
     pid: int
     imported: list
+    refused: list = []  # modules that started a thread when imported: never to be pre-imported again
 
 
 @message
@@ -438,6 +440,7 @@ class JobFailed(Message):
     code: int
     message: str
     traceback: str = ""
+    refused: list = []  # a warm interpreter's modules that started a thread, for its successor
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {

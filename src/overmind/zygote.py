@@ -109,18 +109,18 @@ class WarmInterpreter:
         message, _, fds = P.recv_message(self.control)
         _close(fds)
         warm = P.expect(message, P.Warm, "first, from the server")
-        imported = self._import([*PREIMPORT, *warm.modules])
+        self.refused_modules.update(n for n in warm.refused if isinstance(n, str))
+        imported = self._import(PREIMPORT)
         import overmind.quirks  # noqa: F401  (torch-side helpers before forking)
         import overmind.reductions  # noqa: F401
         import overmind.warm  # noqa: F401  (what every run imports first)
 
+        self.threads = _native_threads()  # Note [Forking past torch's thread]: counted here, once
+        imported += self._import(warm.modules)
         self._record_files()
-        self.threads = _native_threads()
-        P.send_message(self.control, P.LoaderReady(os.getpid(), imported))
+        P.send_message(self.control, P.LoaderReady(os.getpid(), imported, refused=sorted(self.refused_modules)))
 
     def _import(self, names) -> list[str]:
-        from overmind.installed import installed_modules
-
         done = []
         for name in names:
             if name in sys.modules or name in self.refused_modules or not _installed(name):
@@ -128,14 +128,18 @@ class WarmInterpreter:
             before = threading.active_count(), _native_threads()
             try:
                 importlib.import_module(name)
-                done.append(name)
             except BaseException as err:  # noqa: BLE001 - a module that fails here costs the run an import
                 logger.debug("pre-import of %s failed: %s", name, err)
                 self.refused_modules.add(name)
+                continue
             if (threading.active_count(), _native_threads()) != before and self.threads:
+                # Never again in this context: the server drops it from what it hands our successor.
                 logger.warning("importing %s started a thread: this interpreter will not fork again", name)
                 self.refused_modules.add(name)
-        del installed_modules
+                if name in self.learned:
+                    self.learned.remove(name)
+                continue
+            done.append(name)
         return done
 
     def _record_files(self) -> None:
@@ -301,7 +305,8 @@ class WarmInterpreter:
         why = self._why_not_forkable()
         if why:
             _close(fds)
-            P.send_message(self.control, P.JobFailed(getattr(message, "key", "run"), P.ErrorCode.NOT_FORKABLE, why))
+            P.send_message(self.control, P.JobFailed(getattr(message, "key", "run"), P.ErrorCode.NOT_FORKABLE, why,
+                                                     refused=sorted(self.refused_modules)))
             return
         if isinstance(message, P.Job):
             pid = self._fork_job(message, blob, fds[0])

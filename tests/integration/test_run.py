@@ -386,3 +386,31 @@ def test_a_new_contexts_interpreter_imports_what_its_first_script_imports(warm_s
             break
         time.sleep(0.3)
     assert out.stdout == "True False\n", out.stdout  # the installed module, never the user's own
+
+
+def test_a_module_that_starts_a_thread_is_never_forked_past(warm_server, tmp_path):
+    # Note [Forking past torch's thread]: an installed module whose import starts a thread makes
+    # its interpreter refuse to fork; the context settles on interpreters without it.
+    name = f"overmind_test_threader_{os.getpid()}"
+    path = Path(sysconfig.get_paths()["purelib"]) / f"{name}.py"
+    path.write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n")
+    os.utime(path, (time.time() - 60, time.time() - 60))
+    try:
+        script = tmp_path / "threads.py"
+        script.write_text(f"import sys\nprint({name!r} in sys.modules)\nimport {name}\n")
+        outputs = []
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            _wait_warm(warm_server)
+            before = _runs(warm_server)
+            proc = _run(warm_server, str(script))
+            forked = _runs(warm_server) > before
+            outputs.append((forked, proc.stdout))
+            assert proc.returncode == 0 and proc.stdout in ("False\n",), outputs  # never forked with it held
+            if len(outputs) >= 4 and all(f for f, _ in outputs[-2:]):
+                break
+            time.sleep(0.5)
+        assert all(f for f, _ in outputs[-2:]), outputs  # settled: forked again, without the module
+        assert "started a thread: this interpreter will not fork again" in warm_server.log()
+    finally:
+        path.unlink()

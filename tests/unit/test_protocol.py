@@ -114,8 +114,8 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.RunRefused(reason="no warm interpreter for this context yet"), b""),
     (P.RunStarted(pid=77), b""),
     (P.RunExited(status=256), b""),
-    (P.LoaderReady(pid=3, imported=["torch"]), b""),
-    (P.Warm(modules=["torch", "diffusers"]), b""),
+    (P.LoaderReady(pid=3, imported=["torch"], refused=["threading_lib"]), b""),
+    (P.Warm(modules=["torch", "diffusers"], refused=["threader"]), b""),
     (P.Fork(spec={"mode": "code", "target": "pass", "argv": [], "cwd": "/", "env": {}, "umask": 18}), b""),
     (P.Retire(), b""),
     (P.Job(key="k", sys_path=["/a", "/b"], cwd="/a", modules=["diffusers"]), b"call"),
@@ -123,6 +123,7 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.JobResult(key="k", sizes=[4096], slots=[0], nslots=2, nbytes=4096, refs=[], meta={"pickler": "pickle"}),
      b"skel"),
     (P.JobFailed(key="k", code=P.ErrorCode.LOADER_FAILED, message="OSError: no", traceback="tb"), b""),
+    (P.JobFailed(key="run", code=P.ErrorCode.NOT_FORKABLE, message="2 threads", refused=["threader"]), b""),
 ]
 
 
