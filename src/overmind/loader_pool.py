@@ -109,36 +109,6 @@ def run_from_wire(context: dict, spec: dict) -> tuple[Context, dict]:
     return ctx, spec
 
 
-def script_imports(spec: dict, limit: int = 1 << 20) -> list:
-    """Note [A new context learns from the script's text]
-    The first run of a context goes plain, so it cannot report what it imported; the new
-    interpreter would learn the script's modules only from its second run. So the server
-    reads the top-level ``import`` statements of the script (or ``-c`` code) and hands the
-    names to the new interpreter, which imports those that are installed (never the user's:
-    Note [Warm interpreters] in overmind.zygote). A hint, never trusted beyond that."""
-    import ast
-
-    try:
-        if spec.get("mode") == "code":
-            source = spec["target"]
-        elif spec.get("mode") == "script":
-            path = os.path.join(spec["cwd"], spec["target"])
-            with open(path, "rb") as f:
-                source = f.read(limit)
-        else:
-            return []
-        tree = ast.parse(source)
-    except (OSError, SyntaxError, ValueError, KeyError, TypeError, RecursionError):
-        return []
-    names = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.append(node.module)
-    return list(dict.fromkeys(n for n in names if isinstance(n, str)))[:MAX_LEARNED]
-
-
 class RunRefused(Exception):
     """No warm run now; the front end runs plainly (Note [Never worse than plain python] in overmind.run)."""
 
@@ -321,14 +291,9 @@ class LoaderPool:
         logger.info("retiring warm interpreter %d (%s)", zygote.proc.pid, why)
         zygote.retire()
 
-    def prepare(self, context: Context, hints: list = ()) -> None:
-        """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all());
-        ``hints``: modules a refused run's script imports, for a new interpreter to import too."""
+    def prepare(self, context: Context) -> None:
+        """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all())."""
         try:
-            if hints:
-                with self.lock:
-                    known = self.learned.setdefault(context.key, [])
-                    known.extend(h for h in hints if h not in known and len(known) < MAX_LEARNED)
             zygote = self._zygote(context)
             with zygote.lock:
                 if not zygote.ready and not zygote.retired:
@@ -383,8 +348,7 @@ class LoaderPool:
         zygote = self._zygote(context, create=False)
         if zygote is None or not zygote.ready:
             if zygote is None:
-                threading.Thread(target=self.prepare, args=(context, script_imports(spec)), daemon=True,
-                                 name="overmind-prepare").start()
+                threading.Thread(target=self.prepare, args=(context,), daemon=True, name="overmind-prepare").start()
             raise RunRefused("no warm interpreter for this context yet; one is starting")
         try:
             return zygote.fork_run(spec, fds)

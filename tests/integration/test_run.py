@@ -368,26 +368,6 @@ def test_status_lists_the_warm_interpreters(warm_server):
     assert info["ready"] and info["modules"] > 100 and info["pss"] > 0 and info["runs"] >= 1
 
 
-def test_a_new_contexts_interpreter_imports_what_its_first_script_imports(warm_server, tmp_path):
-    # Note [A new context learns from the script's text]: the first run goes plain and cannot
-    # report; the server reads the script's imports, so the second run already has them.
-    script = tmp_path / "fresh.py"
-    script.write_text("import sys\nprint('xml.sax.saxutils' in sys.modules, 'mylocal' in sys.modules)\n"
-                      "import xml.sax.saxutils\ntry:\n    import mylocal\nexcept ImportError:\n    pass\n")
-    (tmp_path / "mylocal.py").write_text("")
-    env = _env(warm_server, HF_TEST_FRESH_CONTEXT=str(time.monotonic()))
-    before = _runs(warm_server)
-    first = _run(warm_server, str(script), env=env)
-    assert first.stdout == "False False\n" and _runs(warm_server) == before  # plain: no interpreter yet
-    deadline = time.monotonic() + 120
-    while True:
-        out = _run(warm_server, str(script), env=env)
-        if _runs(warm_server) > before or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
-    assert out.stdout == "True False\n", out.stdout  # the installed module, never the user's own
-
-
 def test_a_module_that_starts_a_thread_is_never_forked_past(warm_server, tmp_path):
     # Note [Forking past torch's thread]: an installed module whose import starts a thread makes
     # its interpreter refuse to fork; the context settles on interpreters without it.
