@@ -156,7 +156,7 @@ class Zygote:
     def _wait_ready(self) -> None:
         self.sock.settimeout(READY_TIMEOUT)
         message, _, fds = P.recv_message(self.sock, max_blob=0)
-        _close(fds)
+        P.close_fds(fds)
         ready = P.expect(message, P.LoaderReady, "from a warm interpreter")
         self.imported = list(ready.imported)
         self.refused = list(ready.refused)
@@ -173,7 +173,7 @@ class Zygote:
             P.send_message(self.sock, message, blob, fds=fds)
             self.sock.settimeout(timeout)
             reply, _, got = P.recv_message(self.sock, max_blob=0)
-            _close(got)
+            P.close_fds(got)
             if isinstance(reply, P.JobFailed):
                 self.refused = sorted(set(self.refused) | {n for n in reply.refused if isinstance(n, str)})
                 raise P.RemoteError(reply.code, reply.message, reply.traceback)
@@ -334,11 +334,11 @@ class LoaderPool:
                                   f"loader pid {pid} died before answering ({err}); a crash or a kill "
                                   f"(out of memory?); see {self.config.log_path}") from None
         if isinstance(message, P.JobFailed):
-            _close(fds)
+            P.close_fds(fds)
             raise LoadFailure(message.code, message.message, message.traceback)
         if not isinstance(message, P.JobResult) or len(fds) != len(message.sizes) or \
                 len(message.slots) != len(fds) or not all(0 <= s < message.nslots for s in message.slots):
-            _close(fds)
+            P.close_fds(fds)
             raise LoadFailure(P.ErrorCode.INTERNAL, f"malformed answer from loader pid {pid}")
         return message, skeleton, fds
 
@@ -412,10 +412,3 @@ class LoaderPool:
             else:
                 zygote.kill()
 
-
-def _close(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass

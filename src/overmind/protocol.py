@@ -546,7 +546,8 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -
     return buf
 
 
-def _close_fds(fds) -> None:
+def close_fds(fds) -> None:
+    """Close every fd of ``fds``, ignoring ones already closed (received fds nobody will use)."""
     for fd in fds:
         try:
             os.close(fd)
@@ -588,7 +589,7 @@ def recv_message(sock: socket.socket, *, max_blob: int = MAX_BLOB, max_fds: int 
                 sock.settimeout(idle_timeout)
         return message, blob, received
     except BaseException:
-        _close_fds(received)
+        close_fds(received)
         raise
 
 
@@ -623,4 +624,4 @@ class RemoteError(Exception):
         return text
 
 
-__all__ += ["peer_credentials", "expect", "RemoteError", "VersionMismatch"]
+__all__ += ["peer_credentials", "expect", "RemoteError", "VersionMismatch", "close_fds"]

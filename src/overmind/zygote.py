@@ -107,7 +107,7 @@ class WarmInterpreter:
         if sys.path and sys.path[0] in ("", os.getcwd()):
             del sys.path[0]  # `python -c` put the cwd ("/") first; a run sets its own sys.path[0]
         message, _, fds = P.recv_message(self.control)
-        _close(fds)
+        P.close_fds(fds)
         warm = P.expect(message, P.Warm, "first, from the server")
         self.refused_modules.update(n for n in warm.refused if isinstance(n, str))
         yielding = _yield_cpu()  # Note [Warming up yields the CPU]
@@ -294,12 +294,12 @@ class WarmInterpreter:
             self.retiring = True
             return
         if isinstance(message, P.Retire):
-            _close(fds)
+            P.close_fds(fds)
             self.retiring = True
             return
         expected = 1 if isinstance(message, P.Job) else 4 if isinstance(message, P.Fork) else -1
         if len(fds) != expected:
-            _close(fds)
+            P.close_fds(fds)
             P.send_message(self.control, P.JobFailed("", P.ErrorCode.BAD_REQUEST,
                                                      f"unexpected {type(message).__name__} with {len(fds)} fds"))
             return
@@ -307,7 +307,7 @@ class WarmInterpreter:
             self._import(message.modules)
         why = self._why_not_forkable()
         if why:
-            _close(fds)
+            P.close_fds(fds)
             P.send_message(self.control, P.JobFailed(getattr(message, "key", "run"), P.ErrorCode.NOT_FORKABLE, why,
                                                      refused=sorted(self.refused_modules)))
             return
@@ -349,7 +349,7 @@ class WarmInterpreter:
         conn = socket.socket(fileno=conn_fd)
         try:  # the front end may have given up waiting: then nothing runs (never twice, never late)
             if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                _close([stdin, stdout, stderr])
+                P.close_fds([stdin, stdout, stderr])
                 conn.close()
                 return -1
         except BlockingIOError:
@@ -368,7 +368,7 @@ class WarmInterpreter:
                 become(fork.spec, stdin, stdout, stderr)
             finally:
                 os._exit(1)
-        _close([stdin, stdout, stderr, report_w])
+        P.close_fds([stdin, stdout, stderr, report_w])
         os.set_blocking(report_r, False)
         self.runs[pid] = _RunChild(conn, report_r)
         try:
@@ -447,13 +447,6 @@ def _installed(name: str) -> bool:
     prefixes = [os.path.join(os.path.realpath(p), "") for p in installed_prefixes()]
     return bool(paths) and all(os.path.realpath(p).startswith(tuple(prefixes)) for p in paths)
 
-
-def _close(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def zygote_main(control_fd: int) -> None:
