@@ -1,6 +1,7 @@
 """The ``overmind`` command: inspect and control a running overmind-server.
 
-    overmind status [--json]        the server (budget, used, hits, misses, evictions, ...) and its entries
+    overmind status [--json]        the server (budget, used, hits, misses, evictions, ...), its entries, and
+                                    whether segments get huge pages (read here: overmind.hugepages)
     overmind list [--json]          one line per cached entry
     overmind evict KEY | --all      drop an entry (KEY may be a unique prefix) or all of them
     overmind shutdown               stop the server and wait until it has stopped
@@ -12,7 +13,8 @@
 ``python -m overmind.cli`` works too. The command never starts a server.
 
 Exit status: 0 done; 1 the server refused or nothing matched; 2 bad usage or settings;
-3 no server is running (``shutdown`` exits 0 then: there is nothing to stop).
+3 no server is running (``shutdown`` exits 0 then: there is nothing to stop). ``status``
+without a server still prints the huge-page report (machine-wide, read without the server).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import time
 from typing import Callable, Optional
 
+from overmind import hugepages
 from overmind import protocol as P
 from overmind.client import Connection, ServerUnavailable, server_holding
 from overmind.config import Config, ConfigError, read_runtime_file
@@ -85,15 +88,33 @@ def _format_value(name: str, value: object) -> str:
 # -- commands: each gets an open connection and returns an exit status -----------------------
 
 
+def _huge_page_lines(hp: hugepages.HugePageStatus) -> list[str]:
+    """The huge-page report: the setting and the bytes; when off, why, what it costs, the fix."""
+    where = f"shmem_enabled {hp.setting}" + (f", {hp.page_size >> 10} kB size {hp.size_setting}"
+                                             if hp.size_setting not in (None, "inherit") else "")
+    in_huge = f"{human_bytes(hp.shmem_huge_bytes)} of shared memory in huge pages (machine-wide)"
+    if hp.enabled:
+        return [f"huge pages  on ({where}): {in_huge}"]
+    return [f"huge pages  off ({where}): segments use 4 KiB pages; {in_huge}",
+            f"  why:      {hp.why_not}",
+            f"  cost:     {hp.cost}",
+            f"  turn on:  {hp.command}   (as root; until reboot; README 'Huge pages' says how to keep it)"]
+
+
 def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
     info = conn.simple(P.Status(), P.StatusReply).info
+    # The huge-page facts are the kernel's, machine-wide: read here, so the server stays
+    # free of them (and a status without a server still has them, see main()).
+    hp = hugepages.read_status()
     if args.json:
-        print(json.dumps(info, sort_keys=True))
+        print(json.dumps({**info, "huge_pages": hp.as_dict()}, sort_keys=True))
         return EXIT_OK
     first = ["pid", "version", "uptime", "entries", "used", "budget", "hits", "misses", "stale_misses", "evictions",
              "loading"]
     names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n != "bytes")
     print(_table([(name, _format_value(name, info[name])) for name in names]))
+    print()
+    print("\n".join(_huge_page_lines(hp)))
     if info.get("loaders"):
         print()
         _print_interpreters(info["loaders"])
@@ -259,6 +280,30 @@ def _unreachable_server(config: Config, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _not_connected(config: Config, args: argparse.Namespace, err: Exception) -> int:
+    """Say why there is no connection; the exit status."""
+    if not isinstance(err, ServerUnavailable):
+        print(f"overmind: cannot talk to the server at {config.socket_path}: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    if server_holding(config):
+        return _unreachable_server(config, args)
+    if args.command == "shutdown" and not _accepting(str(config.socket_path)):
+        print(f"overmind: no server running at {config.socket_path}; nothing to stop", file=sys.stderr)
+        return EXIT_OK
+    if str(err).startswith("no overmind-server"):
+        print(f"overmind: no server running at {config.socket_path}", file=sys.stderr)
+    else:
+        print(f"overmind: {err}", file=sys.stderr)
+    return EXIT_NO_SERVER
+
+
+def _print_huge_pages_alone(args: argparse.Namespace) -> None:
+    """``status`` without a server: the huge-page report still holds (it is the kernel's), and
+    is what to settle before starting one. The exit status still says there is no server."""
+    hp = hugepages.read_status()
+    print(json.dumps({"huge_pages": hp.as_dict()}, sort_keys=True) if args.json else "\n".join(_huge_page_lines(hp)))
+
+
 COMMANDS: dict[str, Callable[[Connection, argparse.Namespace], int]] = {
     "status": cmd_status, "list": cmd_list, "evict": cmd_evict, "shutdown": cmd_shutdown,
 }
@@ -296,20 +341,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_USAGE
     try:
         conn = _open(config)
-    except ServerUnavailable as err:
-        if server_holding(config):
-            return _unreachable_server(config, args)
-        if args.command == "shutdown" and not _accepting(str(config.socket_path)):
-            print(f"overmind: no server running at {config.socket_path}; nothing to stop", file=sys.stderr)
-            return EXIT_OK
-        if str(err).startswith("no overmind-server"):
-            print(f"overmind: no server running at {config.socket_path}", file=sys.stderr)
-        else:
-            print(f"overmind: {err}", file=sys.stderr)
-        return EXIT_NO_SERVER
-    except (P.RemoteError, P.ProtocolError, OSError) as err:
-        print(f"overmind: cannot talk to the server at {config.socket_path}: {err}", file=sys.stderr)
-        return EXIT_FAILED
+    except (ServerUnavailable, P.RemoteError, P.ProtocolError, OSError) as err:
+        status = _not_connected(config, args, err)
+        if args.command == "status":
+            _print_huge_pages_alone(args)
+        return status
     try:
         with conn:
             return COMMANDS[args.command](conn, args)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+
+from overmind import hugepages
 
 from ..conftest import REPO, age_files, child_env
 
@@ -39,19 +42,59 @@ def _cli_without_server(runtime_dir, *args: str) -> subprocess.CompletedProcess:
                           timeout=60, cwd=REPO)
 
 
+def _huge_pages_around(run) -> tuple[object, list[str]]:
+    """Run ``run`` and the settings read just before and after it: the setting is machine-wide,
+    and a benchmark may switch it (and back) while a test runs."""
+    before = hugepages.read_status()
+    result = run()
+    return result, [before.setting, hugepages.read_status().setting]
+
+
+def _check_huge_pages(report: dict, settings: list[str]) -> None:
+    assert report["setting"] in settings
+    assert report == {**hugepages.read_status().as_dict(), **{k: report[k] for k in VARYING}}
+    if report["size_setting"] in (None, "inherit"):  # else the 2 MiB size's own setting decides
+        assert report["enabled"] is (report["setting"] in hugepages.ALLOWING)
+    assert report["command"] == "echo advise | sudo tee /sys/kernel/mm/transparent_hugepage/shmem_enabled"
+    assert report["why_not"] is None if report["enabled"] else "shmem_enabled" in report["why_not"]
+
+
+# What changes from one reading to the next on a shared machine.
+VARYING = ("setting", "enabled", "why_not", "shmem_huge_bytes", "shmem_pmd_mapped_bytes")
+
+
+def _check_huge_page_text(out: str, settings: list[str]) -> None:
+    line = next(line for line in out.splitlines() if line.startswith("huge pages"))
+    shown = re.match(r"huge pages  (on|off) \(shmem_enabled (\w+)", line)
+    assert shown and shown[2] in settings, line
+    assert "of shared memory in huge pages" in line
+    if shown[1] == "off":
+        assert shown[2] not in hugepages.ALLOWING or hugepages.read_status().size_setting not in (None, "inherit")
+        assert "why:" in out and "cost:" in out and "overmind-bench" in out
+        assert "turn on:  echo advise | sudo tee /sys/kernel/mm/transparent_hugepage/shmem_enabled" in out
+    else:
+        assert "turn on:" not in out
+
+
 def test_status_json_on_fresh_server_reports_its_pid_and_zero_counters(server):
-    info = _json(server.cli("status", "--json"))
+    proc, settings = _huge_pages_around(lambda: server.cli("status", "--json"))
+    info = _json(proc)
     assert info["pid"] == server.pid
     assert (info["entries"], info["hits"], info["misses"]) == (0, 0, 0)
     assert info["torch_imported"] is False
-    assert info == {**server.status(), "uptime": info["uptime"], "loaders": info["loaders"]}  # the info dict as is
+    # The server's info dict as is, plus the huge-page report the CLI reads itself.
+    assert info == {**server.status(), "uptime": info["uptime"], "loaders": info["loaders"],
+                    "huge_pages": info["huge_pages"]}
+    _check_huge_pages(info["huge_pages"], settings)
 
 
-def test_status_human_output_shows_pid_and_entries(server):
-    out = server.cli("status").stdout
+def test_status_human_output_shows_pid_entries_and_huge_pages(server):
+    proc, settings = _huge_pages_around(lambda: server.cli("status"))
+    out = proc.stdout
     assert str(server.pid) in out
     assert "entries" in out
     assert "uptime" in out
+    _check_huge_page_text(out, settings)
 
 
 def test_list_and_status_reflect_a_cached_load_and_then_a_hit(server, models):
@@ -117,11 +160,18 @@ def test_shutdown_stops_the_server_and_removes_its_socket(server):
     assert again.returncode == 0 and "no server running" in again.stderr
 
 
-def test_status_without_a_server_exits_3_naming_the_socket(runtime_dir):
-    proc = _cli_without_server(runtime_dir, "status")
+def test_status_without_a_server_exits_3_naming_the_socket_and_still_reports_huge_pages(runtime_dir):
+    proc, settings = _huge_pages_around(lambda: _cli_without_server(runtime_dir, "status"))
     assert proc.returncode == 3
     assert f"overmind: no server running at {runtime_dir / 'server.sock'}" in proc.stderr
-    assert proc.stdout == ""
+    _check_huge_page_text(proc.stdout, settings)
+    assert "pid" not in proc.stdout and "entries" not in proc.stdout
+
+    proc, settings = _huge_pages_around(lambda: _cli_without_server(runtime_dir, "status", "--json"))
+    assert proc.returncode == 3 and "no server running" in proc.stderr
+    info = _json(proc)
+    assert list(info) == ["huge_pages"]
+    _check_huge_pages(info["huge_pages"], settings)
 
 
 def test_runtime_dir_option_overrides_the_environment(server, runtime_dir, tmp_path):

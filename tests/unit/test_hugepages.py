@@ -129,3 +129,25 @@ def test_this_machine_reads_as_its_own_files_say():
     text = path.read_text()
     assert f"[{hugepages.read_setting()}]" in text
     assert hugepages.read_status().setting == hugepages.read_setting()
+
+
+def test_status_text_when_off_says_why_what_it_costs_and_the_command(tmp_path):
+    from overmind.cli import _huge_page_lines
+
+    lines = _huge_page_lines(hugepages.read_status(make_root(tmp_path, "never", size_setting="inherit")))
+    assert lines[0] == ("huge pages  off (shmem_enabled never): segments use 4 KiB pages; "
+                        "0 B of shared memory in huge pages (machine-wide)")
+    text = "\n".join(lines)
+    assert "why:      /sys/kernel/mm/transparent_hugepage/shmem_enabled is 'never'" in text
+    assert "cost:" in text and "overmind-bench" in text
+    assert "turn on:  echo advise | sudo tee /sys/kernel/mm/transparent_hugepage/shmem_enabled" in text
+
+
+def test_status_text_when_on_is_one_line_with_the_bytes_and_names_an_overriding_size_setting(tmp_path):
+    from overmind.cli import _huge_page_lines
+
+    on = _huge_page_lines(hugepages.read_status(make_root(tmp_path / "a", "advise", huge_kb=2097152)))
+    assert on == ["huge pages  on (shmem_enabled advise): 2.1 GB of shared memory in huge pages (machine-wide)"]
+    off = _huge_page_lines(hugepages.read_status(make_root(tmp_path / "b", "advise", size_setting="never")))
+    assert off[0].startswith("huge pages  off (shmem_enabled advise, 2048 kB size never)")
+    assert "turn on:  echo inherit | sudo tee /sys/kernel/mm/transparent_hugepage/hugepages-2048kB/" in off[-1]
