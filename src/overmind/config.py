@@ -23,6 +23,9 @@ Standard library only (the server imports it)::
 ``OVERMIND_PATCH``         extra patch points, ``module::Qualname.attr``, comma separated.
 ``OVERMIND_LOADER_TIMEOUT`` seconds before the server kills a loader (default 3600).
 ``OVERMIND_WORKERS``       loads that run at once for different keys (default 2).
+``OVERMIND_FILL_YIELD``    seconds a cache fill that no caller waits for runs at idle CPU
+                           priority, behind its caller's own plain load (default 120; ``0``:
+                           fills never yield). Note [Cold fills yield to their caller].
 ``OVERMIND_NO_AUTOSTART``  ``1``: clients never start a server themselves.
 ``OVERMIND_PRESTART``      ``0``: ``monkey_patch_all()`` does not ask the server, in the
                            background, to get a loader ready for this process.
@@ -225,10 +228,11 @@ class Config:
     ``monkey_patch_all()`` imports this module, and dataclasses + pathlib would double its cost."""
 
     __slots__ = ("runtime_dir", "disable", "strict", "timeout", "reply_timeout", "loader_timeout", "workers",
-                 "autostart", "cold_wait", "log_level", "max_memory", "warm_max", "warm_idle", "warm_memory")
+                 "autostart", "cold_wait", "log_level", "max_memory", "warm_max", "warm_idle", "warm_memory",
+                 "fill_yield")
     _DEFAULTS = {"disable": False, "strict": False, "timeout": 300.0, "reply_timeout": 2.0, "loader_timeout": 3600.0,
                  "workers": 2, "autostart": True, "cold_wait": False, "log_level": "INFO", "max_memory": None,
-                 "warm_max": 4, "warm_idle": 1800.0, "warm_memory": 8 << 30}
+                 "warm_max": 4, "warm_idle": 1800.0, "warm_memory": 8 << 30, "fill_yield": 120.0}
 
     runtime_dir: Path
     disable: bool
@@ -244,6 +248,7 @@ class Config:
     warm_max: int  # warm interpreters at once
     warm_idle: float  # seconds before an unused one is retired
     warm_memory: int  # bytes of PSS all of them together may hold
+    fill_yield: float  # seconds a cache fill nobody waits for yields the CPU; 0: never yields
 
     def __init__(self, runtime_dir: Path, **values) -> None:
         unknown = set(values) - set(self._DEFAULTS)
@@ -286,6 +291,7 @@ class Config:
             warm_max=int(_number(env, "OVERMIND_WARM_MAX", 4, 1)),
             warm_idle=_number(env, "OVERMIND_WARM_IDLE", 1800.0, 1.0),
             warm_memory=_size(env, "OVERMIND_WARM_MEMORY") or 8 << 30,
+            fill_yield=_number(env, "OVERMIND_FILL_YIELD", 120.0, 0.0),
         )
 
     @property

@@ -45,7 +45,7 @@ from overmind import __version__
 from overmind import protocol as P
 from overmind.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
                              write_runtime_file)
-from overmind.loader_pool import LoaderPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
+from overmind.loader_pool import Fill, LoaderPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
 from overmind.registry import CacheEntry, Flight, Registry, Reply, TooLarge
 
 logger = logging.getLogger("overmind.server")
@@ -424,13 +424,17 @@ class Server:
         if flight is None:  # lookup_only and nothing there
             return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {request.key}")
         if admission.started:
-            threading.Thread(target=self._fly, args=(flight, request, blob, pid), daemon=True,
+            # Note [Cold fills yield to their caller] in overmind.loader_pool
+            fill = self.loaders.begin_fill(request.key, background=not request.wait)
+            threading.Thread(target=self._fly, args=(flight, request, blob, pid, fill), daemon=True,
                              name="overmind-load").start()
         if not (request.wait or request.lookup_only):
             return P.send_message(conn, P.Pending(request.key, True, ""))
         # Answer at once that we are alive and loading; the entry follows (Pending.waiting).
         P.send_message(conn, P.Pending(request.key, True, "", waiting=True))
-        if not flight.done.wait(self.config.loader_timeout + 60):
+        with self.loaders.waiting(request.key, pid):  # it lends the fill its priority
+            done = flight.done.wait(self.config.loader_timeout + 60)
+        if not done:
             return self._reply_error(conn, P.ErrorCode.LOADER_TIMEOUT, f"gave up waiting for {request.key}")
         if flight.entry is None:
             assert flight.error is not None
@@ -440,10 +444,10 @@ class Server:
             return P.send_message(conn, P.Error(P.ErrorCode.NOT_FOUND, f"{request.key} was evicted right after loading"))
         self._send_entry(conn, reply, hit=not admission.started)
 
-    def _fly(self, flight: Flight, request: P.Load, blob: bytes, pid: int) -> None:
+    def _fly(self, flight: Flight, request: P.Load, blob: bytes, pid: int, fill: Fill) -> None:
         remember = False
         try:
-            flight.entry = self._run_load(request, blob, pid)
+            flight.entry = self._run_load(request, blob, pid, fill)
         except LoadFailure as failure:
             flight.error = P.Error(failure.code, failure.message, failure.traceback)
             # Note [Only deterministic failures are remembered] in overmind.registry
@@ -452,16 +456,18 @@ class Server:
             logger.exception("load of %s failed inside the server", request.key)
             flight.error = P.Error(P.ErrorCode.INTERNAL, f"server error: {err}")
         finally:
+            self.loaders.end_fill(fill)
             if flight.error is not None:
                 logger.warning("load of %s failed: %s", request.key[:16], flight.error.message[:300])
             self.registry.finish(request.key, flight, remember=remember)
 
-    def _run_load(self, request: P.Load, blob: bytes, pid: int) -> CacheEntry:
+    def _run_load(self, request: P.Load, blob: bytes, pid: int, fill: Fill) -> CacheEntry:
         context, cwd, sys_path = context_from_wire(request.context)
         started = time.monotonic()
         with self.load_slots:
             logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)
-            result, skeleton, fds = self.loaders.run(request.key, context, cwd, sys_path, blob, request.modules)
+            result, skeleton, fds = self.loaders.run(request.key, context, cwd, sys_path, blob, request.modules,
+                                                     fill=fill)
         # The loader sends its new segments and, after them, those of other entries that hold some
         # of its storages already (Note [Stored once by content] in overmind.reductions).
         slots: list = [None] * result.nslots

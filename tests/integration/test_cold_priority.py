@@ -1,0 +1,158 @@
+"""A cache fill nobody waits for yields the CPU to its caller; one somebody waits for does not.
+
+Note [Cold fills yield to their caller] in overmind.loader_pool. A custom patch point stands
+in for a slow load: in the loader (a warm interpreter's child, ``OVERMIND_DISABLE=1``) it
+starts a second thread, leaves a file named after its pid and waits for the test's ``go``;
+in the caller it loads at once. The tests read the policy of every thread of that loader.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from ..conftest import age_files
+from .conftest import ServerProcess, last_json
+
+LIBRARY = '''
+import os, threading, time
+import torch
+
+
+def load(path):
+    folder = os.path.dirname(path)
+    if os.environ.get("OVERMIND_DISABLE") == "1":  # the loader: a second thread, then wait for the test
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        open(os.path.join(folder, f"loader-{os.getpid()}"), "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(folder, "go")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return torch.load(path, weights_only=True)
+'''
+
+APP = '''
+import json, sys
+import overmind.api
+overmind.api.monkey_patch_all()
+import slowlib
+print(json.dumps({"w": slowlib.load(sys.argv[1])["w"].tolist()}))
+'''
+
+WAIT = 60.0
+
+
+@pytest.fixture
+def slowlib(tmp_path):
+    (tmp_path / "slowlib.py").write_text(textwrap.dedent(LIBRARY))
+    (tmp_path / "app.py").write_text(textwrap.dedent(APP))
+    weights = tmp_path / "w.pt"
+    torch.save({"w": torch.arange(4.0)}, weights)
+    age_files(weights)
+    return tmp_path
+
+
+def _env(server: ServerProcess, folder, **extra) -> dict:
+    return server.client_env(OVERMIND_PATCH="slowlib::load", PYTHONPATH=str(folder), **extra)
+
+
+def _app(folder) -> list:
+    return [sys.executable, str(folder / "app.py"), str(folder / "w.pt")]
+
+
+def _call(server: ServerProcess, folder, **env) -> dict:
+    """Run the app to its end (a cold load nobody waits for: the caller loads plainly)."""
+    return last_json(subprocess.run(_app(folder), env=_env(server, folder, **env), capture_output=True, text=True,
+                                    timeout=WAIT, check=True))
+
+
+def _loader_pid(server: ServerProcess, folder) -> int:
+    """The loader's pid, once the server has set its priority (it logs that line after)."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        pids = [int(p.name.split("-")[1]) for p in folder.glob("loader-*")]
+        if pids and f"loader pid {pids[0]} fills" in server.log():
+            return pids[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no loader started or logged its priority: {server.log()[-3000:]}")
+
+
+def _policies(pid: int) -> set:
+    """The scheduling policy of every thread of ``pid``."""
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    assert len(tids) >= 2, "the slow loader starts a second thread"
+    return {os.sched_getscheduler(tid) for tid in tids}
+
+
+def _until_policies(pid: int, expected: set) -> set:
+    deadline = time.monotonic() + 10
+    while _policies(pid) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _policies(pid)
+
+
+def _go(server: ServerProcess, folder) -> dict:
+    (folder / "go").touch()
+    return server.wait_idle()
+
+
+def test_a_fill_nobody_waits_for_runs_at_idle_priority(server, slowlib):
+    caller = _call(server, slowlib)
+    assert caller["w"] == [0.0, 1.0, 2.0, 3.0]  # the caller loaded plainly, without waiting for the fill
+    pid = _loader_pid(server, slowlib)
+    assert _policies(pid) == {os.SCHED_IDLE}, server.log()[-2000:]
+    assert server.status()["loading"] == 1
+    status = _go(server, slowlib)
+    assert status["entries"] == 1, status
+    again = _call(server, slowlib)
+    assert again == caller and server.status()["hits"] == 1
+    assert os.sched_getscheduler(server.pid) == os.SCHED_OTHER  # only the loader yields
+
+
+def test_a_fill_its_caller_waits_for_runs_at_normal_priority(server, slowlib):
+    caller = subprocess.Popen(_app(slowlib), env=_env(server, slowlib, OVERMIND_COLD="wait"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pid = _loader_pid(server, slowlib)
+        assert _policies(pid) == {os.SCHED_OTHER}, server.log()[-2000:]
+        _go(server, slowlib)
+        out, err = caller.communicate(timeout=WAIT)
+    finally:
+        caller.kill()
+    assert caller.returncode == 0, err
+    assert out.strip().splitlines()[-1] == '{"w": [0.0, 1.0, 2.0, 3.0]}'
+
+
+def test_a_waiting_load_lifts_the_fill_it_joins(server, slowlib):
+    _call(server, slowlib)
+    pid = _loader_pid(server, slowlib)
+    assert _policies(pid) == {os.SCHED_IDLE}
+    waiter = subprocess.Popen(_app(slowlib), env=_env(server, slowlib, OVERMIND_COLD="wait"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _until_policies(pid, {os.SCHED_OTHER}) == {os.SCHED_OTHER}, server.log()[-2000:]
+        assert f"loader pid {pid} fills" in server.log() and "at normal priority now" in server.log()
+        _go(server, slowlib)
+        out, err = waiter.communicate(timeout=WAIT)
+    finally:
+        waiter.kill()
+    assert waiter.returncode == 0, err
+    assert server.status()["misses"] == 1  # the waiter joined the fill; it started no load of its own
+
+
+def test_a_fill_competes_normally_after_fill_yield_seconds(runtime_dir, slowlib):
+    server = ServerProcess(runtime_dir, {"OVERMIND_FILL_YIELD": "2"})
+    try:
+        _call(server, slowlib)
+        pid = _loader_pid(server, slowlib)
+        assert _policies(pid) == {os.SCHED_IDLE}
+        assert _until_policies(pid, {os.SCHED_OTHER}) == {os.SCHED_OTHER}, server.log()[-2000:]
+        assert "OVERMIND_FILL_YIELD=2s" in server.log()
+        _go(server, slowlib)
+    finally:
+        server.stop()
