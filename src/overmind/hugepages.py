@@ -15,11 +15,13 @@ reboot: README "Huge pages" gives the command, a systemd ``tmpfiles.d`` line and
 Kubernetes DaemonSet (``deploy/``).
 
 Note [The 2 MiB size has its own shmem setting]
-Kernels with multi-size THP (6.11 on) add ``hugepages-<size>kB/shmem_enabled`` per page
-size. For the PMD size (2 MiB on x86-64, the size that saves the faults) its value is
-``inherit`` by default, meaning the top-level setting decides; any other value
-(``never`` included) overrides it. So the effective setting is the per-size one unless
-it is ``inherit`` or absent (older kernels).
+Kernels with multi-size THP for shmem add ``hugepages-<size>kB/shmem_enabled`` per page
+size. For the PMD size (2 MiB on x86-64, the size that saves the faults) its default is
+``inherit``: the top-level setting decides. Any other value decides for that size
+instead, except that a top-level ``deny`` or ``force`` overrides every size. (Recent
+kernels apply the per-size knobs to the internal mount memfds live on; the first ones to
+have them, 6.11 on, applied them to anonymous shmem only, and there a non-default
+per-size value is reported although memfds follow the top level. Defaults read the same.)
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def read_status(root: str = "/") -> HugePageStatus:
     size_path = _SIZE_SETTING.format(kb=page_size // 1024)
     size_setting = _bracketed(_read(root, size_path))
     # Note [The 2 MiB size has its own shmem setting]
-    size_overrides = size_setting not in (None, "inherit")
+    size_overrides = size_setting not in (None, "inherit") and setting not in ("deny", "force")
     enabled = (size_setting if size_overrides else setting) in ALLOWING
     command = ENABLE_COMMAND
     why_not: Optional[str] = None

@@ -151,3 +151,12 @@ def test_status_text_when_on_is_one_line_with_the_bytes_and_names_an_overriding_
     off = _huge_page_lines(hugepages.read_status(make_root(tmp_path / "b", "advise", size_setting="never")))
     assert off[0].startswith("huge pages  off (shmem_enabled advise, 2048 kB size never)")
     assert "turn on:  echo inherit | sudo tee /sys/kernel/mm/transparent_hugepage/hugepages-2048kB/" in off[-1]
+
+
+@pytest.mark.parametrize("setting,enabled", [("deny", False), ("force", True)])
+def test_a_top_level_deny_or_force_overrides_every_size_setting(tmp_path, setting, enabled):
+    # Note [The 2 MiB size has its own shmem setting]: the testing values win over the per-size knob.
+    hp = hugepages.read_status(make_root(tmp_path, setting, size_setting="always" if setting == "deny" else "never"))
+    assert hp.enabled is enabled
+    if not enabled:
+        assert hp.command == hugepages.ENABLE_COMMAND and repr(setting) in hp.why_not
