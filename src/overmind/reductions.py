@@ -44,6 +44,15 @@ safetensors put them in the file mapping (often 8 bytes past a 64-byte boundary)
 Each storage is therefore placed at the same address modulo 64 as its source, and a
 cached model computes bit-identical outputs to a plain load of the same files.
 
+Note [Large storages on huge pages]
+A storage of ``HUGE_PAGE`` (2 MiB) bytes or more starts on a 2 MiB offset of its segment
+(plus its cache-line misalignment), so its pages are whole huge pages of its own where
+the kernel backs segments with them (Note [Huge pages for segments] in
+``overmind.memfd``). The gap this leaves before it is not wasted: smaller storages
+packed later fill it first-fit (page- or cache-line-aligned as before), so a segment
+grows by little more than its bytes. Offsets are the same whatever the machine's
+huge-page setting; only how the segment is filled differs.
+
 Note [One mapping per load]
 ``unpack`` maps every segment afresh, so two loads in one process never share pages
 they can write: a ``mul_`` on one copy faults a private page and leaves the other
@@ -88,7 +97,7 @@ from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
-from overmind.memfd import ALIGNMENT, Segment, align_up, buffer_at
+from overmind.memfd import ALIGNMENT, HUGE_PAGE, Segment, align_up, buffer_at
 from overmind.native import build_tensors, make_untyped_storage
 
 logger = logging.getLogger(__name__)
@@ -99,8 +108,11 @@ __all__ = ["FORMAT", "StorageRef", "TensorRef", "Packed", "pack", "unpack", "PIC
 PICKLE_PROTOCOL = 5
 FORMAT = "overmind-skeleton-2"
 _SIMPLE = (bool, int, float, str, type(None))
-# Storages smaller than a page are packed at cache-line alignment; larger ones start on a page.
+# Storages smaller than a page are packed at cache-line alignment; larger ones start on a page,
+# and those of a huge page or more on a huge page: Note [Large storages on huge pages].
 _SMALL_ALIGNMENT = 64
+# A gap left before a huge-page-aligned storage is kept for later small storages if this large.
+_MIN_GAP = ALIGNMENT
 
 
 class StorageRef(NamedTuple):
@@ -211,6 +223,7 @@ class _SegmentWriter:
         self.name = name
         self.segment: Optional[Segment] = None
         self.end = 0
+        self.gaps: list[list[int]] = []  # [start, end) left before huge-page-aligned storages
         self.pool = None  # a one-thread ThreadPoolExecutor, made on first use
         self.pending: list = []
 
@@ -221,10 +234,31 @@ class _SegmentWriter:
             self.segment = Segment.create(self.name, 0)
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"overmind-fill-{self.name}")
         # Keep the source's misalignment within a cache line: see Note [Same alignment, same numbers].
-        offset = align_up(self.end, ALIGNMENT if nbytes >= ALIGNMENT else _SMALL_ALIGNMENT) + address % _SMALL_ALIGNMENT
+        misalignment = address % _SMALL_ALIGNMENT
+        if nbytes >= HUGE_PAGE:  # Note [Large storages on huge pages]
+            start = align_up(self.end, HUGE_PAGE)
+            if start - self.end >= _MIN_GAP:
+                self.gaps.append([self.end, start])
+            offset = start + misalignment
+        else:
+            alignment = ALIGNMENT if nbytes >= ALIGNMENT else _SMALL_ALIGNMENT
+            offset = self._from_gap(nbytes, alignment, misalignment)
+            if offset is not None:
+                return offset
+            offset = align_up(self.end, alignment) + misalignment
         self.end = offset + nbytes
         self.segment.size = max(self.segment.size, self.end)
         return offset
+
+    def _from_gap(self, nbytes: int, alignment: int, misalignment: int) -> Optional[int]:
+        for i, gap in enumerate(self.gaps):
+            offset = align_up(gap[0], alignment) + misalignment
+            if offset + nbytes <= gap[1]:
+                gap[0] = offset + nbytes
+                if gap[1] - gap[0] < _SMALL_ALIGNMENT:
+                    del self.gaps[i]
+                return offset
+        return None
 
     def write(self, offset: int, address: int, nbytes: int, keep: object) -> None:
         assert self.pool is not None and self.segment is not None
@@ -232,7 +266,8 @@ class _SegmentWriter:
         self.pending.append(self.pool.submit(self._write, offset, address, nbytes, keep))
 
     def _write(self, offset: int, address: int, nbytes: int, keep: object) -> None:
-        self.segment.write_at(offset, buffer_at(address, nbytes))  # see Note [Filling by pwrite]
+        # See Notes [Filling by pwrite] and [Huge pages for segments] in overmind.memfd.
+        self.segment.write_at(offset, buffer_at(address, nbytes))
 
     def wait(self) -> None:
         try:
@@ -248,10 +283,7 @@ class _SegmentWriter:
         self.wait()
         if self.segment is None:
             return None
-        size = align_up(self.end, ALIGNMENT)
-        os.ftruncate(self.segment.fd, size)
-        self.segment.size = size
-        self.segment.seal()
+        self.segment.finish(align_up(self.end, ALIGNMENT))
         return self.segment
 
     def abort(self) -> None:

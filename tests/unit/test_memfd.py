@@ -142,3 +142,27 @@ def test_mapping_an_empty_segment_is_refused():
     with pytest.raises(ValueError, match="empty"):
         seg.map_private()
     seg.close()
+
+
+def test_a_segment_filled_through_a_mapping_is_cut_back_to_its_size_when_sealed():
+    """The fill mapping grows the file ahead of the writes (Note [Huge pages for segments]);
+    sealing gives it back the size it was created with."""
+    seg = Segment.create("mapped", 3 * mmap.PAGESIZE, fill="mapping")
+    try:
+        seg.write_at(mmap.PAGESIZE, b"world")
+        assert os.fstat(seg.fd).st_size > seg.size  # grown by the mapping
+        seg.seal()
+        assert os.fstat(seg.fd).st_size == 3 * mmap.PAGESIZE and seg.sealed
+        m = seg.map_private()
+        assert m[mmap.PAGESIZE:mmap.PAGESIZE + 5] == b"world" and m[:5] == bytes(5)
+        m.close()
+        with pytest.raises(OSError) as err:
+            seg.write_at(0, b"x")
+        assert err.value.errno == errno.EPERM
+    finally:
+        seg.close()
+
+
+def test_an_unknown_fill_method_is_refused():
+    with pytest.raises(ValueError, match="fill must be"):
+        Segment.create("bad-fill", 4096, fill="splice")

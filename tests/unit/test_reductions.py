@@ -337,3 +337,55 @@ def test_contents_a_store_holds_are_referenced_not_copied_and_stay_distinct():
     again["a"].mul_(0)
     assert torch.equal(again["twin"], big) and not torch.equal(again["a"], big)
     assert torch.equal(unpack(first.skeleton, first.map_private())["a"], big)
+
+
+def storage_table(packed) -> list:
+    from overmind.reductions import StorageRef
+
+    return [StorageRef(*s) for s in pickle.loads(packed.skeleton)[1]]
+
+
+MiB = 1 << 20
+# Pickling order: small, large, small ones, large, ... (Note [Large storages on huge pages]).
+LAYOUT_SIZES = [3000, 3 * MiB + 40, 100_000, 5 * MiB, 70_000, 9_000, 2 * MiB, 300_000, 64]
+
+
+def test_large_storages_start_on_huge_page_offsets_and_small_ones_fill_the_gaps_before_them():
+    from overmind.memfd import HUGE_PAGE
+
+    tensors = [torch.full((n,), i + 1, dtype=torch.uint8) for i, n in enumerate(LAYOUT_SIZES)]
+    packed = pack(tensors, writers=1)
+    table = storage_table(packed)
+    for ref, tensor in zip(table, tensors):
+        start = ref.offset - ref.offset % 64
+        assert ref.offset % 64 == tensor.data_ptr() % 64  # Note [Same alignment, same numbers]
+        if ref.nbytes >= HUGE_PAGE:
+            assert start % HUGE_PAGE == 0, ref
+        elif ref.nbytes >= 4096:
+            assert start % 4096 == 0, ref
+    # The small storages pickled after the first large one went into the gaps before the large ones,
+    # so the segment ends where its last large storage does.
+    first_large = table[1].offset
+    assert all(ref.offset < first_large for ref, n in zip(table[2:], LAYOUT_SIZES[2:]) if n < HUGE_PAGE)
+    assert packed.segments[0].size == 14 * MiB
+    again, _ = rebuild(packed)
+    assert all(torch.equal(a, b) for a, b in zip(again, tensors))
+
+
+def test_a_model_filled_through_huge_page_mappings_round_trips_into_whole_huge_pages(monkeypatch):
+    """Note [Huge pages for segments]: where the setting allows huge pages, pack fills through
+    MAP_SHARED mappings; forced here so that the path runs whatever this machine's setting."""
+    from overmind import memfd
+    from overmind.memfd import HUGE_PAGE, SEAL_ALL
+
+    monkeypatch.setattr(memfd, "fill_method", lambda: "mapping")
+    tensors = [torch.randn(n // 4) for n in (4096, 40 * MiB, 8 * MiB + 4, 1000 * 4, 30 * MiB)]
+    packed = pack(tensors, writers=2)
+    for seg in packed.segments:
+        assert seg.fill == "mapping" and seg.seals() & SEAL_ALL == SEAL_ALL
+        assert seg.size % HUGE_PAGE == 0 and os.fstat(seg.fd).st_size == seg.size
+    again, mappings = rebuild(packed)
+    assert all(torch.equal(a, b) for a, b in zip(again, tensors))
+    again[1].mul_(2)  # copy-on-write: a second rebuild sees the original
+    other, _ = rebuild(packed)
+    assert torch.equal(other[1], tensors[1]) and not torch.equal(again[1], tensors[1])

@@ -28,7 +28,11 @@ Each load of the load scenarios runs in a fresh process in three modes: plain
 from the page cache. Every call is timed, then ``.to(device)``, then the first use of every
 weight. The bench starts its own
 overmind-server in a private runtime directory and stops it at the end: it never touches
-your server or its cache. ``--json FILE`` writes every figure (schema:
+your server or its cache. The table and JSON say which
+``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` value the loads ran under (``advise``
+lets overmind back its segments with huge pages, which makes the first use of a warm model
+cheap); as root, ``--shmem-enabled never,advise`` runs the load scenarios under each value
+in turn and restores the original afterwards. ``--json FILE`` writes every figure (schema:
 :mod:`overmind.bench.report`); ``--plot FILE.png`` draws them (needs matplotlib:
 ``pip install 'overmind[bench]'``).
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from overmind.bench import models as M
+from overmind.bench import shmem
 from overmind.bench.harness import BenchError, BenchServer, drop_page_cache, startup_overhead
 from overmind.bench.report import document, format_tables, plot, validate
 from overmind.bench.runner import MODES, Plan, Runner
@@ -64,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="its timed runs per script and mode (default 5; --quick: 3)")
     parser.add_argument("--drop-page-cache", action="store_true",
                         help="also run every mode with the model's files evicted from the page cache")
+    parser.add_argument("--shmem-enabled", metavar="LIST",
+                        help="run the load scenarios once under each of these values of "
+                             f"{shmem.SHMEM_ENABLED} in turn (from {', '.join(shmem.VALUES)}), e.g. never,advise: "
+                             "the first use of a warm model with and without huge pages for overmind's segments "
+                             "(rows say which; ratios compare runs of the same value). Needs root. The machine-wide "
+                             "value is restored afterwards, also on Ctrl-C, SIGTERM or an error; memory, start-up "
+                             "and whole_process run under it. Without this option every run uses the current value, "
+                             "which the table and JSON report")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: adds .to(device) to every load")
     parser.add_argument("--loader", help="your model: module:Class with a from_pretrained, "
                                          "e.g. diffusers:DiffusionPipeline")
@@ -158,7 +167,10 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         process_per=args.process_per or defaults["process_per"], cold_mode=args.cold_mode, quick=args.quick,
         whole_scripts=whole_scripts, whole_modes=tuple(m for m in WHOLE_MODES if m in whole_modes),
         whole_runs=args.whole_runs or defaults["whole_runs"],
+        shmem_settings=tuple(dict.fromkeys(n.strip() for n in (args.shmem_enabled or "").split(",") if n.strip())),
     )
+    if args.shmem_enabled is not None and not plan.shmem_settings:
+        raise ValueError("--shmem-enabled needs at least one value, e.g. never,advise")
     return plan, extra
 
 
@@ -186,6 +198,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     def say(line: str) -> None:
         print(f"[{time.monotonic() - started:6.1f} s] {line}", file=sys.stderr, flush=True)
 
+    shmem_enabled = shmem.current()
+    switch = None
+    if plan.shmem_settings:
+        try:
+            switch = shmem.Switch(list(plan.shmem_settings))
+            switch.check()
+        except (ValueError, shmem.SwitchRefused) as err:
+            print(f"overmind-bench: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        with switch:  # Note [Runs under each shmem setting] in overmind.bench.runner
+            return _run(args, argv, plan, extra, started, say, shmem_enabled, switch)
+    return _run(args, argv, plan, extra, started, say, shmem_enabled, None)
+
+
+def _run(args: argparse.Namespace, argv: list[str], plan: Plan, extra: dict, started: float, say,
+         shmem_enabled: Optional[str], switch: Optional[shmem.Switch]) -> int:
     cuda_name = None
     if plan.device != "cpu":
         cuda_name, why = _cuda_device(plan.device) if plan.device.startswith("cuda") else (None, None)
@@ -205,7 +233,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     startup = whole = None
     try:
         say(f"private overmind-server pid {server.pid} in {server.runtime_dir}; worker logs in {log_dir}")
-        runner = Runner(plan, {}, server, log_dir, cwd=os.getcwd(), echo=say)
+        runner = Runner(plan, {}, server, log_dir, cwd=os.getcwd(), echo=say, switch=switch)
         # The server's loader starts while models are generated (Runner.prestart).
         prestart = None
         if plan.quick and plan.memory_cases:
@@ -239,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         server.stop()
     doc = document(plan, results, startup, cache_dir=cache_dir, wall_s=time.monotonic() - started,
-                   cuda_device=cuda_name, argv=["overmind-bench", *argv], whole=whole)
+                   cuda_device=cuda_name, argv=["overmind-bench", *argv], whole=whole, shmem_enabled=shmem_enabled)
     validate(doc)
     print(format_tables(doc), flush=True)
     if args.json:

@@ -16,7 +16,10 @@ Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` o
       "settings": {"quick": bool, "scale": str, "device": str, "runs": int, "warm_runs": int,
                    "modes": [str], "page_cache": [str], "page_cache_method": str|null,
                    "memory_procs": int, "process_per": "scenario"|"run",
-                   "cold_mode": "background"|"wait", "cache_dir": str},
+                   "cold_mode": "background"|"wait", "cache_dir": str,
+                   "shmem_enabled": str|null,   # the machine's value when the run started
+                   "shmem_enabled_runs": [str]},  # --shmem-enabled: the values the loads ran
+                                                  # under in turn; [] when not asked
       "startup": null | {"bare_s": summary, "patched_s": summary, "added_s": float},
       "scenarios": [{
           "name": str, "title": str, "why": str,
@@ -26,10 +29,12 @@ Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` o
           "warm_misses": int,              # misses during warm runs: 0 when every call hit
           "results": [{
               "mode": "plain"|"first"|"cold"|"warm", "page_cache": "warm"|"cold",
+              "shmem_enabled": str|null,   # the value this mode's runs ran under
               "runs": [{phase: float}],    # phases: "import", each component, "to_device",
                                            # "total" (components + to_device), "first_use"
               "summary": {phase: summary},
               "x_plain": float|null,       # median total / plain's, same page cache state
+                                           # and shmem_enabled
               "x_plain_with_first_use": float|null}]}],
       "memory": [{
           "scenario": str, "procs": int, "tensor_bytes": int|null,
@@ -97,8 +102,10 @@ def _versions() -> dict:
 
 
 def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, wall_s: float,
-             cuda_device: Optional[str], argv: list[str], whole: Optional[dict] = None) -> dict:
-    """The JSON document of a run (schema in the module docstring)."""
+             cuda_device: Optional[str], argv: list[str], whole: Optional[dict] = None,
+             shmem_enabled: Optional[str] = None) -> dict:
+    """The JSON document of a run (schema in the module docstring). ``shmem_enabled``: the
+    machine's value when the run started."""
     from overmind import __version__
 
     scenarios = []
@@ -114,23 +121,25 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
         elif entry is not None:
             item.update(status=entry["status"], reason=entry["reason"], tensor_bytes=entry["tensor_bytes"],
                         file_bytes=entry["file_bytes"], warm_misses=entry["warm_misses"])
-            with_use = {}  # (mode, page cache) -> median of total + first use
-            for (mode, cache_state), runs in entry["runs"].items():
+            with_use = {}  # (mode, page cache, shmem_enabled) -> median of total + first use
+            for (mode, cache_state, setting), runs in entry["runs"].items():
                 phases = [p for p in runs[0] if all(p in r for r in runs)]
-                with_use[mode, cache_state] = statistics.median(r["total"] + r["first_use"] for r in runs)
-                item["results"].append({"mode": mode, "page_cache": cache_state,
+                with_use[mode, cache_state, setting] = statistics.median(r["total"] + r["first_use"] for r in runs)
+                item["results"].append({"mode": mode, "page_cache": cache_state, "shmem_enabled": setting,
                                         "runs": [{p: r[p] for p in phases} for r in runs],
                                         "summary": {p: _summary([r[p] for r in runs]) for p in phases},
                                         "x_plain": None, "x_plain_with_first_use": None})
             order = {m: i for i, m in enumerate(plan.modes)}
-            item["results"].sort(key=lambda r: (plan.page_cache.index(r["page_cache"]), order[r["mode"]]))
+            settings_order = {v: i for i, v in enumerate(plan.shmem_settings)}
+            item["results"].sort(key=lambda r: (plan.page_cache.index(r["page_cache"]),
+                                                settings_order.get(r["shmem_enabled"], -1), order[r["mode"]]))
             for r in item["results"]:
-                base = next((b for b in item["results"] if b["mode"] == "plain" and b["page_cache"] == r["page_cache"]),
-                            None)
+                base = next((b for b in item["results"] if b["mode"] == "plain" and b["page_cache"] == r["page_cache"]
+                             and b["shmem_enabled"] == r["shmem_enabled"]), None)
                 if base is not None:
                     r["x_plain"] = r["summary"]["total"]["median"] / base["summary"]["total"]["median"]
-                    r["x_plain_with_first_use"] = (with_use[r["mode"], r["page_cache"]]
-                                                   / with_use["plain", r["page_cache"]])
+                    r["x_plain_with_first_use"] = (with_use[r["mode"], r["page_cache"], r["shmem_enabled"]]
+                                                   / with_use["plain", r["page_cache"], r["shmem_enabled"]])
         scenarios.append(item)
     return {
         "schema_version": SCHEMA_VERSION,
@@ -146,7 +155,8 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
         "settings": {"quick": plan.quick, "scale": plan.scale, "device": plan.device, "runs": plan.runs,
                      "warm_runs": plan.warm_runs, "modes": list(plan.modes), "page_cache": list(plan.page_cache),
                      "page_cache_method": plan.page_cache_method, "memory_procs": plan.memory_procs,
-                     "process_per": plan.process_per, "cold_mode": plan.cold_mode, "cache_dir": str(cache_dir)},
+                     "process_per": plan.process_per, "cold_mode": plan.cold_mode, "cache_dir": str(cache_dir),
+                     "shmem_enabled": shmem_enabled, "shmem_enabled_runs": list(plan.shmem_settings)},
         "startup": None if startup is None else {
             "bare_s": _summary(startup["bare_s"]), "patched_s": _summary(startup["patched_s"]),
             "added_s": startup["added_s"]},
@@ -242,14 +252,16 @@ def validate(doc: dict) -> None:
         "settings": {"quick": bool, "scale": str, "device": str, "runs": int, "warm_runs": int, "modes": [str],
                      "page_cache": [one_of("warm", "cold")], "page_cache_method": optional(str),
                      "memory_procs": int, "process_per": one_of("scenario", "run"),
-                     "cold_mode": one_of("background", "wait"), "cache_dir": str},
+                     "cold_mode": one_of("background", "wait"), "cache_dir": str,
+                     "shmem_enabled": optional(str), "shmem_enabled_runs": [str]},
         "startup": optional({"bare_s": _SUMMARY, "patched_s": _SUMMARY, "added_s": _NUM}),
         "scenarios": [{
             "name": str, "title": str, "why": str, "status": one_of("ok", "skipped", "failed"),
             "reason": optional(str), "components": [str], "tensor_bytes": optional(int), "file_bytes": int,
             "warm_misses": int,
             "results": [{"mode": one_of("plain", "first", "cold", "warm"), "page_cache": one_of("warm", "cold"),
-                         "runs": [phases(_NUM)], "summary": phases(_SUMMARY), "x_plain": optional(_NUM),
+                         "shmem_enabled": optional(str), "runs": [phases(_NUM)], "summary": phases(_SUMMARY),
+                         "x_plain": optional(_NUM),
                          "x_plain_with_first_use": optional(_NUM)}]}],
         "memory": [{"scenario": str, "procs": int, "tensor_bytes": optional(int),
                     "status": one_of("ok", "failed"), "reason": optional(str), "plain": holding,
@@ -288,6 +300,7 @@ def format_tables(doc: dict) -> str:
     out.append(f"overmind-bench: scale {settings['scale']}, device {device}{loads}")
     if settings["page_cache_method"]:
         out.append(f"page cache cold: {settings['page_cache_method']} on every file of the model before each run")
+    out.append(_shmem_line(settings))
     if doc.get("whole_process"):
         out += ["", format_whole(doc["whole_process"])]
     for sc in doc["scenarios"]:
@@ -300,12 +313,14 @@ def format_tables(doc: dict) -> str:
             if not sc["results"]:
                 continue
         caches = {r["page_cache"] for r in sc["results"]}
+        shmem_values = {r["shmem_enabled"] for r in sc["results"]}
         header = ["mode", "import", *sc["components"], f"to({device})", "total", "first use", "x plain",
                   "x plain +use"]
         rows = [header]
         for r in sc["results"]:
             s = r["summary"]
-            label = MODE_LABELS[r["mode"]] + (f", page cache {r['page_cache']}" if len(caches) > 1 else "")
+            label = (MODE_LABELS[r["mode"]] + (f", page cache {r['page_cache']}" if len(caches) > 1 else "")
+                     + (f", shmem {r['shmem_enabled']}" if len(shmem_values) > 1 else ""))
             total = s["total"]
             rows.append([label, _s(s["import"]["median"]),
                          *[_s(s[c]["median"]) if c in s else "-" for c in sc["components"]],
@@ -344,6 +359,19 @@ def format_tables(doc: dict) -> str:
     out.append("")
     out.append(f"wall time {doc['wall_s']:.0f} s")
     return "\n".join(out)
+
+
+def _shmem_line(settings: dict) -> str:
+    from overmind.bench.shmem import HUGE_VALUES
+
+    value = settings["shmem_enabled"]
+    if settings["shmem_enabled_runs"]:
+        return (f"shmem_enabled (huge pages for overmind's segments): load scenarios run under "
+                f"{', '.join(settings['shmem_enabled_runs'])} in turn; {value} otherwise and restored after")
+    if value is None:
+        return "shmem_enabled: unknown (no /sys/kernel/mm/transparent_hugepage/shmem_enabled): small pages"
+    pages = "huge pages where the kernel has them" if value in HUGE_VALUES else "small (4 KiB) pages"
+    return f"shmem_enabled: {value}: overmind's segments use {pages}"
 
 
 def format_whole(whole: dict) -> str:
@@ -396,7 +424,9 @@ def plot(doc: dict, path: Path) -> None:
     for ax, sc in zip(axes[:, 0], panels):
         phases = [*sc["components"], "to_device", "first_use"]
         labels = [MODE_LABELS[r["mode"]] + ("" if len({x["page_cache"] for x in sc["results"]}) == 1
-                                            else f"\npage cache {r['page_cache']}") for r in sc["results"]]
+                                            else f"\npage cache {r['page_cache']}")
+                  + ("" if len({x["shmem_enabled"] for x in sc["results"]}) == 1
+                     else f"\nshmem {r['shmem_enabled']}") for r in sc["results"]]
         left = [0.0] * len(sc["results"])
         for i, phase in enumerate(phases):
             widths = [r["summary"][phase]["median"] if phase in r["summary"] else 0.0 for r in sc["results"]]

@@ -17,6 +17,14 @@ to whichever ran last. Warm follows cold, so the cold run is what filled the cac
 server is idle before each run (a cache fill behind a cold load would otherwise compete
 with the next run for the CPU), and warm runs must add no miss.
 
+Note [Runs under each shmem setting]
+With ``--shmem-enabled never,advise`` each round runs plain, cold and warm under each
+value in turn (Note [Rounds interleave the modes]), so a warm run always maps segments
+that the cold run before it filled under the same value: segments filled under
+``never`` hold small pages whatever the setting later becomes. Every run records the
+value it ran under, and ratios compare runs of the same value. Only the timed load
+scenarios run under the values; the original is back for everything after them.
+
 Note [Processes per scenario or per run]
 By default each scenario gets its own worker per run. ``--quick`` (``process_per="run"``)
 runs every scenario of a round in one worker per mode, in turn: interpreter start-up and
@@ -36,6 +44,7 @@ from typing import Optional
 
 from overmind.bench.harness import (BenchError, BenchServer, Worker, base_env, drop_page_cache, pss, tree_pss,
                                     used_memory)
+from overmind.bench import shmem
 from overmind.bench.models import model_files
 from overmind.bench.scenarios import Scenario
 
@@ -70,6 +79,9 @@ class Plan:
     whole_modes: tuple[str, ...] = ("plain", "patched", "run", "first_run")
     whole_runs: int = 5
     whole_warmup: int = 2
+    # --shmem-enabled: the load scenarios run under each (Note [Runs under each shmem setting]);
+    # empty: under the machine's value, unchanged.
+    shmem_settings: tuple[str, ...] = ()
 
 
 def _summary(values: list[float]) -> dict:
@@ -78,8 +90,9 @@ def _summary(values: list[float]) -> dict:
 
 class Runner:
     def __init__(self, plan: Plan, paths: dict, server: BenchServer, log_dir: Path, cwd: Optional[str] = None,
-                 echo=None) -> None:
+                 echo=None, switch: Optional[shmem.Switch] = None) -> None:
         self.plan, self.paths, self.server, self.log_dir, self.cwd = plan, paths, server, Path(log_dir), cwd
+        self.switch = switch  # sets plan.shmem_settings in turn
         self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
         self.results: dict = {}
         self._holders: dict[str, list[Worker]] = {}
@@ -131,6 +144,7 @@ class Runner:
             self.server.evict_all()
             self.server.wait_idle()
         misses = self.server.status()["misses"] if mode == "warm" else 0
+        setting = shmem.current()
         preload = list(dict.fromkeys(p for s in batch for p in s.preload))
         label = f"{mode}-pagecache-{cache_state}-{round_ + 1}-{'+'.join(s.name for s in batch)}"
         worker = Worker(self.env(mode), preload, self.log_dir, label[:200], cwd=self.cwd)
@@ -154,8 +168,9 @@ class Runner:
                 entry = self._entry(scenario)
                 entry["tensor_bytes"] = reply["tensor_bytes"]
                 run = {"import": ready["import_s"], **reply["phases"]}
-                entry["runs"].setdefault((mode, cache_state), []).append(run)
-                self.echo(f"{scenario.name:<13} {mode:<5} page cache {cache_state:<4} run {round_ + 1}: "
+                entry["runs"].setdefault((mode, cache_state, setting), []).append(run)
+                under = f" shmem_enabled {setting}" if self.plan.shmem_settings else ""
+                self.echo(f"{scenario.name:<13} {mode:<5} page cache {cache_state:<4}{under} run {round_ + 1}: "
                           f"load {run['total']:.3f} s, first use {run['first_use']:.3f} s, "
                           f"import {run['import']:.2f} s")
         finally:
@@ -174,16 +189,24 @@ class Runner:
         runnable = [s for s in plan.scenarios if s.name not in plan.skipped]
         batches = [runnable] if plan.process_per == "run" else [[s] for s in runnable]
         counts = {"plain": plan.runs, "first": plan.runs, "cold": plan.runs, "warm": plan.warm_runs}
-        for batch in (b for b in batches if b):
-            for cache_state in plan.page_cache:
-                if cache_state == "warm":
-                    for scenario in batch:
-                        _read_files(self.files(scenario))
-                # Note [Rounds interleave the modes]
-                for round_ in range(max(counts[m] for m in plan.modes)):
-                    for mode in plan.modes:
-                        if round_ < counts[mode]:
-                            self.run_batch(batch, mode, cache_state, round_)
+        settings: tuple = plan.shmem_settings or (None,)
+        try:
+            for batch in (b for b in batches if b):
+                for cache_state in plan.page_cache:
+                    if cache_state == "warm":
+                        for scenario in batch:
+                            _read_files(self.files(scenario))
+                    # Note [Rounds interleave the modes], Note [Runs under each shmem setting]
+                    for round_ in range(max(counts[m] for m in plan.modes)):
+                        for setting in settings:
+                            if setting is not None and self.switch is not None:
+                                self.switch.set(setting)
+                            for mode in plan.modes:
+                                if round_ < counts[mode]:
+                                    self.run_batch(batch, mode, cache_state, round_)
+        finally:
+            if self.switch is not None:
+                self.switch.restore()
 
     # -- memory ---------------------------------------------------------------------------
 
