@@ -156,3 +156,17 @@ def test_a_fill_competes_normally_after_fill_yield_seconds(runtime_dir, slowlib)
         _go(server, slowlib)
     finally:
         server.stop()
+
+
+def test_a_loader_past_the_loader_timeout_is_killed_whatever_its_priority(runtime_dir, slowlib):
+    server = ServerProcess(runtime_dir, {"OVERMIND_FILL_YIELD": "1", "OVERMIND_LOADER_TIMEOUT": "3"})
+    try:
+        _call(server, slowlib)
+        pid = _loader_pid(server, slowlib)  # it waits for a go that never comes
+        status = server.wait_idle(timeout=WAIT)
+        assert status["loading"] == 0 and status["entries"] == 0, status
+        log = server.log()
+        assert "OVERMIND_FILL_YIELD=1s" in log and f"loader pid {pid} exceeded OVERMIND_LOADER_TIMEOUT=3s" in log, log
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    finally:
+        server.stop()
