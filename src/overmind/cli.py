@@ -88,13 +88,23 @@ def _format_value(name: str, value: object) -> str:
 # -- commands: each gets an open connection and returns an exit status -----------------------
 
 
-def _huge_page_lines(hp: hugepages.HugePageStatus) -> list[str]:
+# A cache this large with no huge page anywhere was filled while they were off (small
+# segments may fit none, so below it nothing is said).
+STALE_FILL_HINT_BYTES = 64 << 20
+
+
+def _huge_page_lines(hp: hugepages.HugePageStatus, cached_bytes: int = 0) -> list[str]:
     """The huge-page report: the setting and the bytes; when off, why, what it costs, the fix."""
     where = f"shmem_enabled {hp.setting}" + (f", {hp.page_size >> 10} kB size {hp.size_setting}"
                                              if hp.size_setting not in (None, "inherit") else "")
     in_huge = f"{human_bytes(hp.shmem_huge_bytes)} of shared memory in huge pages (machine-wide)"
     if hp.enabled:
-        return [f"huge pages  on ({where}): {in_huge}"]
+        lines = [f"huge pages  on ({where}): {in_huge}"]
+        if hp.shmem_huge_bytes == 0 and cached_bytes >= STALE_FILL_HINT_BYTES:
+            lines.append(f"  note:     the cache holds {human_bytes(cached_bytes)}, none of it in huge pages: segments "
+                         "filled while they were off may keep 4 KiB pages; `overmind evict --all` lets the next "
+                         "loads fill them again")
+        return lines
     return [f"huge pages  off ({where}): segments use 4 KiB pages; {in_huge}",
             f"  why:      {hp.why_not}",
             f"  cost:     {hp.cost}",
@@ -114,7 +124,8 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
     names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n != "bytes")
     print(_table([(name, _format_value(name, info[name])) for name in names]))
     print()
-    print("\n".join(_huge_page_lines(hp)))
+    used = info.get("used")
+    print("\n".join(_huge_page_lines(hp, used if isinstance(used, int) else 0)))
     if info.get("loaders"):
         print()
         _print_interpreters(info["loaders"])

@@ -160,3 +160,13 @@ def test_a_top_level_deny_or_force_overrides_every_size_setting(tmp_path, settin
     assert hp.enabled is enabled
     if not enabled:
         assert hp.command == hugepages.ENABLE_COMMAND and repr(setting) in hp.why_not
+
+
+def test_status_text_when_on_notes_a_cache_filled_before_huge_pages_were_on(tmp_path):
+    from overmind.cli import STALE_FILL_HINT_BYTES, _huge_page_lines
+
+    none_huge = hugepages.read_status(make_root(tmp_path / "a", "advise"))
+    assert "overmind evict --all" in _huge_page_lines(none_huge, 3_580_000_000)[-1]
+    assert len(_huge_page_lines(none_huge, STALE_FILL_HINT_BYTES - 1)) == 1  # small caches may fit no huge page
+    some_huge = hugepages.read_status(make_root(tmp_path / "b", "advise", huge_kb=4096))
+    assert len(_huge_page_lines(some_huge, 3_580_000_000)) == 1
