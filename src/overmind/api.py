@@ -214,6 +214,7 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
         return target.original(*args, **kwargs)
     description = target.name
     remember = None  # the key a plain result is filed under (a miss that the server is loading)
+    meta = rng_end = None  # a hit's LoadMeta, and the generator states it leaves
     global _server_down_until
     if _server_down_until and time.monotonic() < _server_down_until and not flag("OVERMIND_STRICT"):
         return target.original(*args, **kwargs)  # Note [A silent server is skipped for a while]
@@ -230,12 +231,12 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
         if call is not None:
             description = call.description
             try:
-                obj = _fetch(config, target, call)
-                _remember(obj, call.key)
-                return obj
+                obj, meta, key = _fetch(config, target, call)
+                rng_end = _rng_end(meta)
+                _remember(obj, key)
             except CachePending as pending:  # a miss: load here while the server caches it
                 if pending.loading:
-                    remember = call.key
+                    remember = pending.key
                 else:
                     _warn_once(f"the cache cannot load this call ({pending.reason})")
     except Exception as err:
@@ -247,36 +248,77 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
         if flag("OVERMIND_STRICT"):
             raise OvermindError(f"overmind could not load {description}: {err}") from err
         _warn_once(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} ({description})")
+    else:
+        if meta is not None:
+            _as_plain_call_left_it(rng_end, meta.events)
+            return obj
     obj = target.original(*args, **kwargs)
     if remember is not None:
         _remember(obj, remember)
     return obj
 
 
-def _fetch(config: "Config", target: "Target", call) -> Any:
+def _fetch(config: "Config", target: "Target", call) -> tuple[Any, Any, str]:
+    """(object, its LoadMeta, the key it is filed under), or CachePending."""
     from overmind import protocol as P
+    from overmind.callstate import rng_digest, rng_key
 
     request = P.Load(call.key, target.name, call.description, _context(), call.refs, modules=target.modules,
                      wait=config.cold_wait)
     retry = _retry_once_errors()
-    for attempt in (1, 2):
+    attempt = 0
+    while True:
         conn = _connection(config)
         try:
             reply, skeleton = conn.load(request, call.blob)
+            meta = _meta(reply)
+            digest = rng_digest(call.rng_state, meta.rng.get("drew", [])) if meta.rng else ""
+            if digest and meta.rng.get("start") != digest:
+                # Note [Loads that draw random numbers]: filed for callers starting from other states.
+                if request.key != call.key:
+                    raise P.ProtocolError(f"the entry for {request.key[:16]} started from other generator states")
+                request = P.Load(rng_key(call.key, digest), target.name, call.description, _context(),
+                                 call.refs, modules=target.modules, wait=config.cold_wait)
+                continue
             references = dict(call.ref_objects)
-            for key in _meta(reply).references:
+            for key in meta.references:
                 if key not in references:
                     references[key] = fetch_entry(key, [conn])
-            return _rebuild(conn, reply, skeleton, references)
+            return _rebuild(conn, reply, skeleton, references), meta, request.key
         except retry as err:
             # A connection the server closed while idle, or an entry evicted between its reply and
             # our open of its segments (Note [A segment is opened by identity] in overmind.client):
             # ask again once, on a new connection.
             _drop_connection()
+            attempt += 1
             if attempt == 2:
                 raise
             logger.debug("retrying %s once: %s", call.description, err)
-    raise AssertionError("unreachable")
+
+
+def _rng_end(meta) -> Optional[dict]:
+    if not meta.rng:
+        return None
+    import base64
+
+    from overmind.callstate import decode_rng
+
+    return decode_rng(base64.b64decode(meta.rng["end"]))
+
+
+def _as_plain_call_left_it(rng_end: Optional[dict], events: list) -> None:
+    """After a hit: the caller's generators where the plain load would have left them, and the
+    warnings and log records it would have emitted (Note [Process-global state of a load] in
+    overmind.callstate). Outside the fallback guard: an ``error`` filter raises here, as in the
+    plain call."""
+    if rng_end:
+        from overmind.callstate import set_rng_state
+
+        set_rng_state(rng_end)
+    if events:
+        from overmind.replay import replay
+
+        replay(events)
 
 
 def _retry_once_errors() -> tuple:

@@ -4,18 +4,20 @@
     call = encode_call(target, (path,), {"torch_dtype": torch.float16}, origin_of)
     call.key, call.blob, call.refs
 
-The blob is a pickle of ``(target spec, args, kwargs)``; objects that overmind
+The blob is a pickle of ``(target spec, args, kwargs, keyed state)`` followed by a pickle of
+the caller's random generator states (``overmind.callstate``); objects that overmind
 returned earlier (``vae=vae``) travel as ``("entry", key)`` persistent ids and the
-loader rebuilds them from the cache. The key hashes (xxh3-128) that same pickle
-together with a fingerprint of every local file the arguments name and of the
+loader rebuilds them from the cache. The key hashes (xxh3-128) the first pickle
+(never the generator states: Note [Loads that draw random numbers]) together with a fingerprint of every local file the arguments name and of the
 library versions, so a changed file or an upgraded library is a miss.
 
 Note [What cannot be cached]
 A call goes straight to the original loader when an argument has no stable
 identity: a tensor, a file-like object, a function or other callable (a callable
 ``map_location``), a model that overmind did not load, or anything pickle cannot
-reach by reference. Such a call raises :class:`Uncacheable` here, never in the
-loader.
+reach by reference; or when the process is in a state the loader cannot reproduce
+(Note [Process-global state of a load] in ``overmind.callstate``). Such a call raises
+:class:`Uncacheable` here, never in the loader.
 
 Note [Canonical arguments]
 Spellings that load the same thing give one key: existing relative paths become
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["Target", "EncodedCall", "Uncacheable", "encode_call", "decode_call", "fingerprint_paths",
+__all__ = ["Target", "EncodedCall", "DecodedCall", "Uncacheable", "encode_call", "decode_call", "fingerprint_paths",
            "library_versions", "hub_snapshot"]
 
 PICKLE_PROTOCOL = 5
@@ -106,6 +108,19 @@ class EncodedCall:
     description: str
     paths: list[str]
     ref_objects: dict = field(default_factory=dict)  # key -> the caller's object, for ExternalRefs
+    rng_state: dict = field(default_factory=dict)  # as in the blob: Note [Loads that draw random numbers]
+
+
+@dataclass
+class DecodedCall:
+    """A call as a loader runs it."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    references: dict  # entry key -> the rebuilt object
+    keyed_state: dict  # overmind.callstate.keyed_state() of the caller
+    rng: bytes  # the caller's encoded generator states
 
 
 def _is_torch_data(obj) -> bool:
@@ -305,17 +320,24 @@ def _describe(target: Target, args: tuple, kwargs: dict) -> str:
 def encode_call(target: Target, args: tuple, kwargs: dict, origin_of: Callable[[Any], Optional[str]]) -> EncodedCall:
     import xxhash
 
+    from overmind import callstate
+
+    reason = callstate.bypass_reason()
+    if reason is not None:
+        raise Uncacheable(reason)
     args = tuple(_normalise(a) for a in args)
     kwargs = {k: _canonical(k, _normalise(v)) for k, v in sorted(kwargs.items())}
     buf = io.BytesIO()
     pickler = _CallPickler(buf, origin_of)
     try:
-        pickler.dump((target.spec(), args, kwargs))
+        pickler.dump((target.spec(), args, kwargs, callstate.keyed_state()))
     except Uncacheable:
         raise
     except (pickle.PicklingError, TypeError, AttributeError) as err:
         raise Uncacheable(f"arguments are not picklable by reference ({err})") from None
-    blob = buf.getvalue()
+    keyed = buf.getvalue()
+    rng_state = callstate.rng_state()
+    rng = callstate.encode_rng(rng_state)
     paths = _local_paths(list(args) + list(kwargs.values()))
     hub = []
     for value in list(args[:1]) + [kwargs.get("pretrained_model_name_or_path")]:
@@ -325,14 +347,14 @@ def encode_call(target: Target, args: tuple, kwargs: dict, origin_of: Callable[[
                 hub.append(str(snapshot))
     digest = xxhash.xxh3_128()
     digest.update(KEY_VERSION.encode())
-    digest.update(blob)
+    digest.update(keyed)
     digest.update(repr((fingerprint_paths(paths + hub), library_versions())).encode())
-    return EncodedCall(digest.hexdigest(), blob, pickler.refs, _describe(target, args, kwargs), paths + hub,
-                       pickler.ref_objects)
+    return EncodedCall(digest.hexdigest(), keyed + rng, pickler.refs, _describe(target, args, kwargs), paths + hub,
+                       pickler.ref_objects, rng_state)
 
 
-def decode_call(blob: bytes, resolve_entry: Callable[[str], Any]) -> tuple[Callable, tuple, dict, dict]:
-    """(original loader, args, kwargs, {entry key: rebuilt object}) in a loader process."""
+def decode_call(blob: bytes, resolve_entry: Callable[[str], Any]) -> DecodedCall:
+    """The call an ``encode_call`` blob holds, in a loader process."""
     resolved: dict[str, Any] = {}
 
     class _Unpickler(pickle.Unpickler):
@@ -344,5 +366,6 @@ def decode_call(blob: bytes, resolve_entry: Callable[[str], Any]) -> tuple[Calla
                 resolved[key] = resolve_entry(key)
             return resolved[key]
 
-    spec, args, kwargs = _Unpickler(io.BytesIO(blob)).load()
-    return resolve_target(spec), args, kwargs, resolved
+    buf = io.BytesIO(blob)
+    spec, args, kwargs, keyed = _Unpickler(buf).load()
+    return DecodedCall(resolve_target(spec), args, kwargs, resolved, keyed, buf.read())

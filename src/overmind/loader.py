@@ -13,6 +13,7 @@ in ``overmind.loader_pool``.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import socket
@@ -101,11 +102,12 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
     started = time.monotonic()
     try:
         sys.path[:] = job.sys_path
-        from overmind import quirks
+        from overmind import callstate, quirks
         from overmind.calls import decode_call
         from overmind.config import Config
         from overmind.dedup import SegmentContents
         from overmind.reductions import pack
+        from overmind.replay import Recorder
 
         conn_holder: list = []
 
@@ -121,15 +123,26 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
 
             return fetch_entry(key, [connect()])
 
-        fn, args, kwargs, refs = decode_call(blob, resolve_entry)
+        call = decode_call(blob, resolve_entry)
+        refs = call.references
         before = {key: _state_of(obj) for key, obj in refs.items()}
+        # Note [Process-global state of a load]: the caller's state, then its generators'.
+        grad_mode = callstate.apply_keyed(call.keyed_state)
+        caller_rng = callstate.decode_rng(call.rng)
+        callstate.set_rng_state(caller_rng)
+        rng_start = callstate.rng_state()  # as this process reads it back: the comparison below is exact
         observer = FileObserver()
         maps_before = observer.mapped()
         observer.active = True
         try:
-            result = fn(*args, **kwargs)
+            with grad_mode, Recorder() as recorder:
+                result = call.fn(*call.args, **call.kwargs)
         finally:
             observer.active = False
+        rng_end = callstate.rng_state()
+        drew = {name: state for name, state in rng_end.items() if rng_start.get(name) != state}
+        rng = {} if not drew else {"drew": sorted(drew), "start": callstate.rng_digest(caller_rng, sorted(drew)),
+                                   "end": base64.b64encode(callstate.encode_rng(drew)).decode()}
         files = observer.fingerprints(maps_before)
         loaded = time.monotonic()
         quirks.prepare_for_pickle(result)
@@ -151,6 +164,7 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
             deduplicated=packed.deduplicated,
             # Note [Content index] in overmind.registry; bounded to stay within protocol.MAX_JSON.
             contents=packed.contents if len(packed.contents) <= MAX_CONTENTS else [],
+            rng=rng, events=recorder.events,
         ).to_dict()
         P.send_message(job_sock, P.JobResult(job.key, sizes, slots, len(packed.segments) + len(store.fds),
                                              packed.nbytes, store.holders, meta),

@@ -410,8 +410,8 @@ class LoadMeta(Message):
     typed like a message, so the server, the registry, the client and the CLI read one schema.
     Not a message type of its own (no ``TYPE``); :meth:`from_wire` validates it."""
 
-    VERSION: ClassVar[int] = 1
-    version: int = 1
+    VERSION: ClassVar[int] = 2
+    version: int = 2
     type: str = ""  # module.qualname of the result
     pickler: str = ""
     storages: int = 0
@@ -424,6 +424,10 @@ class LoadMeta(Message):
     files: list = []  # [[path, size, mtime_ns, ino, dev]]: Note [Observed files] in overmind.loader
     deduplicated: int = 0  # bytes referenced in other entries' segments instead of written
     contents: list = []  # [[digest hex, nbytes, slot, offset]]: Note [Content index] in overmind.registry
+    # Note [Loads that draw random numbers] in overmind.callstate: {} when the load drew none,
+    # else {"start": digest of the states it started from, "end": base64 of the states it left}.
+    rng: dict = {}
+    events: list = []  # warnings and log records to replay: Note [Replayed warnings and log records]
 
     @classmethod
     def from_wire(cls, data: dict) -> "LoadMeta":

@@ -60,5 +60,5 @@ def test_the_loader_receives_the_canonical_arguments():
 
     call = encode_call(Target.of(torch.load), (), {"torch_dtype": "bfloat16", "map_location": torch.device("cpu")},
                        lambda obj: None)
-    _, _, kwargs, _ = decode_call(call.blob, lambda key: None)
+    kwargs = decode_call(call.blob, lambda key: None).kwargs
     assert kwargs == {"map_location": "cpu", "torch_dtype": torch.bfloat16}

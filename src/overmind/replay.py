@@ -1,0 +1,146 @@
+"""Warnings and log records of a load: recorded where the cache is filled, replayed on every hit.
+
+    with Recorder() as recorder:          # in the loader, around the original
+        result = original(*args, **kwargs)
+    meta.events = recorder.events         # JSON-able, bounded
+
+    replay(meta.events)                   # in the caller, on a hit
+
+Note [Replayed warnings and log records]
+A plain ``from_pretrained`` tells its caller things: "Some weights ... were newly initialized",
+a size-mismatch report, a deprecation ``FutureWarning``. A hit must tell the same, through the
+caller's own ``warnings`` filters and logging configuration, in the order they happened.
+
+- Warnings are recorded with the filter ``always`` (so none is lost to the loader's registry)
+  and replayed with ``warnings.warn_explicit`` against the registry of the module that issued
+  them, so ``default``/``once``/``ignore``/``error`` act as they would on the plain call. A
+  warning attributed to overmind's own frames (a ``stacklevel`` reaching past the loader's call
+  of the original) is attributed to the caller's frame, as the plain call would.
+- Log records are recorded from every logger at level INFO and up, whatever the loader's
+  levels, and replayed through the logger of the same name with ``Logger.handle`` when that
+  logger is enabled for the record's level in the caller: its level, ``disabled``, filters,
+  handlers and propagation decide, as for the plain call. DEBUG records are not recorded.
+- Both are bounded (MAX_EVENTS, MAX_TEXT) to stay within the protocol's field limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import Any, Optional
+
+__all__ = ["Recorder", "replay", "MAX_EVENTS", "MAX_TEXT"]
+
+MAX_EVENTS = 256
+MAX_TEXT = 16_384
+RECORDED_LEVEL = logging.INFO
+_OVERMIND_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+
+
+class Recorder:
+    """Record the warnings and log records emitted inside the ``with`` block (one thread at a time)."""
+
+    def __init__(self) -> None:
+        self.events: list[list] = []
+        self.dropped = 0
+        self._saved: Optional[tuple] = None
+        self._warnings = warnings.catch_warnings()
+
+    def _add(self, event: list) -> None:
+        if len(self.events) < MAX_EVENTS:
+            self.events.append(event)
+        else:
+            self.dropped += 1
+
+    def _on_warning(self, message: Any, category: type, filename: str, lineno: int, file: Any = None,
+                    line: Any = None) -> None:
+        caller = os.path.abspath(filename).startswith(_OVERMIND_DIR)
+        self._add(["warning", f"{category.__module__}:{category.__qualname__}", str(message)[:MAX_TEXT],
+                   "" if caller else filename, 0 if caller else lineno])
+
+    def __enter__(self) -> "Recorder":
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._on_warning
+        recorder = self
+        handle, enabled = logging.Logger.handle, logging.Logger.isEnabledFor
+
+        def record(logger: logging.Logger, rec: logging.LogRecord) -> None:
+            if logger.disabled or not logger.filter(rec):
+                return
+            text = rec.getMessage()
+            if rec.exc_info and not rec.exc_text:
+                rec.exc_text = logging.Formatter().formatException(rec.exc_info)
+            if rec.exc_text:
+                text = f"{text}\n{rec.exc_text}"
+            recorder._add(["log", rec.name, rec.levelno, text[:MAX_TEXT], rec.pathname, rec.lineno, rec.funcName])
+
+        def is_enabled(logger: logging.Logger, level: int) -> bool:
+            return level >= RECORDED_LEVEL or enabled(logger, level)
+
+        self._saved = (handle, enabled)
+        logging.Logger.handle = record  # type: ignore[method-assign]
+        logging.Logger.isEnabledFor = is_enabled  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._saved is not None:
+            logging.Logger.handle, logging.Logger.isEnabledFor = self._saved  # type: ignore[method-assign]
+            self._saved = None
+        self._warnings.__exit__(*exc)
+
+
+def _category(name: str) -> type:
+    module, _, qualname = name.partition(":")
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and issubclass(obj, Warning) else UserWarning
+
+
+def _module_of(filename: str) -> Optional[Any]:
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) == filename:
+            return module
+    return None
+
+
+def _caller_frame() -> Any:
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "overmind":
+        frame = frame.f_back
+    return frame
+
+
+def replay(events: list) -> None:
+    """Emit ``events`` (a Recorder's) in this process, as the plain call would have."""
+    if not events:
+        return
+    modules: dict[str, Any] = {}
+    for event in events:
+        if not isinstance(event, list) or not event:
+            continue
+        if event[0] == "warning" and len(event) == 5:
+            _, category, message, filename, lineno = event
+            if filename:
+                if filename not in modules:
+                    modules[filename] = _module_of(filename)
+                module = modules[filename]
+                globals_ = vars(module) if module is not None else {}
+            else:  # attributed to the caller: Note [Replayed warnings and log records]
+                frame = _caller_frame()
+                globals_ = frame.f_globals if frame is not None else {}
+                filename = frame.f_code.co_filename if frame is not None else "<unknown>"
+                lineno = frame.f_lineno if frame is not None else 0
+            registry = globals_.setdefault("__warningregistry__", {}) if globals_ else None
+            # No module_globals: linecache reads a library's source from its file, and a `-c`
+            # script's loader (BuiltinImporter) raises on get_source.
+            warnings.warn_explicit(message, _category(category), filename, lineno,
+                                   module=globals_.get("__name__") if globals_ else None, registry=registry)
+        elif event[0] == "log" and len(event) == 7:
+            _, name, level, text, pathname, lineno, func = event
+            logger = logging.getLogger(name) if name != "root" else logging.getLogger()
+            if logger.isEnabledFor(level):
+                logger.handle(logger.makeRecord(logger.name, level, pathname, lineno, text, (), None, func))
