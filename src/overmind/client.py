@@ -19,6 +19,14 @@ segment's (st_dev, st_ino), taken under the registry's lock, and every open by n
 checked against it before mapping (``Segment.check``); a mismatch raises
 :class:`SegmentChanged` and the caller asks once more (by then a miss, or the new entry).
 Fds received over ``SCM_RIGHTS`` are checked the same way. DESIGN invariant 7.
+
+Note [Segments across PID namespaces]
+The ``Welcome`` names the server's pid as the server sees it; in a container (a Kubernetes
+pod beside a per-node DaemonSet) that is often 1, and ``/proc/1/fd/<n>`` is then the
+client's own init, or the client itself. So ``/proc`` is opened with the pid ``SO_PEERCRED``
+reports, which the kernel translates into our namespace, and when the server is in a
+namespace we cannot see (the kernel reports 0) segments come over the socket with
+``SCM_RIGHTS`` from the start.
 """
 
 from __future__ import annotations
@@ -163,6 +171,9 @@ class Connection:
     def __init__(self, sock: socket.socket, welcome: P.Welcome, config: Config) -> None:
         self.sock = sock
         self.server_pid = welcome.server_pid
+        # Note [Segments across PID namespaces]: the server's pid as the kernel names it to us;
+        # None when it lives in a PID namespace we cannot see (the kernel reports 0).
+        self.proc_pid: Optional[int] = welcome.server_pid
         self.server_version = welcome.server_version
         self.config = config
         self.lock = threading.Lock()
@@ -185,7 +196,7 @@ class Connection:
             # Note: the kernel's word, not the Welcome's. A server of another user (a squatted
             # /tmp/overmind-<uid>, a shared OVERMIND_RUNTIME_DIR) must never see our request and
             # its context, and its skeletons are pickles: unpickling one runs its code.
-            _, peer_uid, _ = P.peer_credentials(sock)
+            peer_pid, peer_uid, _ = P.peer_credentials(sock)
             if peer_uid != os.getuid():
                 raise ServerUnavailable(f"refusing the server at {config.socket_path}: it runs as uid {peer_uid}, "
                                         f"not as you (uid {os.getuid()}); use a private OVERMIND_RUNTIME_DIR")
@@ -204,7 +215,9 @@ class Connection:
         except BaseException:
             sock.close()
             raise
-        return cls(sock, welcome, config)
+        conn = cls(sock, welcome, config)
+        conn.proc_pid = peer_pid or None
+        return conn
 
     def close(self) -> None:
         self.sock.close()
@@ -255,13 +268,15 @@ class Connection:
         """Map every segment of ``entry`` MAP_PRIVATE; our fds are closed once mapped.
         Each is checked to be the segment the reply named: Note [A segment is opened by identity]."""
         slots = _slot_handles(entry)
+        if self.proc_pid is None:
+            return self._map_received(entry, slots)
         mappings: list[Optional[mmap.mmap]] = [None] * len(slots)
         try:
             for i, slot in enumerate(slots):
                 if slot is None:
                     continue
                 fd, size, dev, ino = slot
-                with Segment.open_proc(self.server_pid, fd, size, f"{entry.key[:12]}.{i}", identity=(dev, ino)) as seg:
+                with Segment.open_proc(self.proc_pid, fd, size, f"{entry.key[:12]}.{i}", identity=(dev, ino)) as seg:
                     mappings[i] = seg.map_private()
             return mappings
         except (PermissionError, FileNotFoundError) as err:

@@ -38,3 +38,64 @@ def test_segments_received_over_scm_rights_rebuild_the_same_tensors(server, tmp_
                                     env=server.client_env(OVERMIND_STRICT="1")))
     assert total == float(w.sum())
     assert server.status()["hits"] >= 1
+
+
+def _can_unshare() -> bool:
+    import subprocess
+
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+NAMESPACED_CLIENT = """
+import json, os, sys
+held = [os.open("/dev/null", os.O_RDONLY) for _ in range(200)]  # fd numbers the server's segments also use
+import overmind.api
+overmind.api.monkey_patch_all()
+import safetensors.torch
+sums = [float(safetensors.torch.load_file(sys.argv[1])["w"].sum()) for _ in range(2)]
+print(json.dumps([os.getpid(), sums]))
+"""
+
+
+def test_a_client_in_another_pid_namespace_gets_segments_over_the_socket(runtime_dir, tmp_path):
+    """Note [Segments across PID namespaces]: server and client are each pid 1 of their own
+    namespace (a DaemonSet and a pod); /proc/1/fd/<n> in the client is the client itself."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from ..conftest import REPO, child_env
+
+    if not _can_unshare():
+        pytest.skip("unshare --pid needs root or user namespaces")
+    path = tmp_path / "w.safetensors"
+    w = torch.arange(1 << 16, dtype=torch.float32)
+    save_file({"w": w}, path)
+    age_files(path)
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_NO_AUTOSTART="1")
+    server = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-m", "overmind.server",
+                               "--foreground"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=REPO)
+    try:
+        assert "ready" in server.stdout.readline()
+        client_env = {**env, "OVERMIND_STRICT": "1"}
+        outs = []
+        for _ in range(2):  # a miss that fills the cache, then a hit
+            proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                                   NAMESPACED_CLIENT, str(path)], env=client_env, capture_output=True, text=True,
+                                  timeout=180, cwd=REPO)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "overmind:" not in proc.stderr, proc.stderr[-3000:]
+            outs.append(last_json(proc))
+        assert [pid for pid, _ in outs] == [1, 1]
+        assert outs[1][1] == [float(w.sum())] * 2
+    finally:
+        server.kill()  # unshare's child (the server, pid 1 of its namespace) gets SIGKILL: --kill-child
+        server.wait(timeout=20)
+        server.stdout.close()
+        server.stderr.close()
