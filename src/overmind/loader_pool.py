@@ -193,6 +193,8 @@ class Zygote:
             if not self.ready:
                 self._wait_ready()
             P.send_message(self.sock, message, blob, fds=fds)
+            if _can_lift_idle():  # Note [Warming up yields the CPU] in overmind.zygote: never wait on a learned import
+                _every_thread(self.proc.pid, _to_normal)
             self.sock.settimeout(timeout)
             reply, _, got = P.recv_message(self.sock, max_blob=0)
             P.close_fds(got)

@@ -32,10 +32,14 @@ and the server replaces it without the module that did so. CUDA is never initial
 (Note [Zygotes never touch CUDA] in overmind.loader_pool).
 
 Note [Warm interpreters learn]
-Each run reports, at its exit, the installed modules it imported. The interpreter imports
-those it lacks, one at a time, between forks (a Fork or Job waiting on the control socket
-goes first), so the next run of the same script imports nothing; the server keeps the list
-per context and hands it (``Warm``) to the context's next interpreter at start.
+Each run reports, at its exit, the installed modules it imported, and each Job names the
+modules its call needs. The interpreter imports those it lacks, one at a time, between
+forks (a Fork or Job waiting on the control socket goes first), so the next run of the same
+script or load of the same library imports nothing; the server keeps the list per context
+and hands it (``Warm``) to the context's next interpreter at start. A Job never waits for
+them: its child imports what its call needs at the child's own priority (Note [Cold fills
+yield to their caller] in overmind.loader_pool), and learning yields the CPU (Note [Warming
+up yields the CPU]): importing diffusers here beside a cold load's caller cost it a second.
 
 Note [Frozen before forking]
 Everything the interpreter holds is moved to the garbage collector's permanent generation
@@ -261,7 +265,12 @@ class WarmInterpreter:
     def _learn_one(self) -> None:
         """One learned module, then back to select: a Fork waiting goes first (Note [Warm interpreters learn])."""
         name = self.to_learn.pop(0)
-        self._import([name])
+        yielding = _yield_cpu()
+        try:
+            self._import([name])
+        finally:
+            if yielding:
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         if not self.to_learn:
             self._record_files()
 
@@ -303,8 +312,9 @@ class WarmInterpreter:
             P.send_message(self.control, P.JobFailed("", P.ErrorCode.BAD_REQUEST,
                                                      f"unexpected {type(message).__name__} with {len(fds)} fds"))
             return
-        if isinstance(message, P.Job):
-            self._import(message.modules)
+        if isinstance(message, P.Job):  # learned after the fork: Note [Warm interpreters learn]
+            self.to_learn.extend(n for n in message.modules if isinstance(n, str) and n not in sys.modules
+                                 and n not in self.refused_modules and n not in self.to_learn)
         why = self._why_not_forkable()
         if why:
             P.close_fds(fds)
@@ -395,7 +405,9 @@ def _yield_cpu() -> bool:
     A new interpreter is usually started by a run that went plain for want of one, and its
     imports would compete with that very run for the CPU (1.2 x plain measured on 2 cores).
     So it imports under SCHED_IDLE, running only on CPU time nobody else wants, and returns
-    to SCHED_OTHER when ready, before any fork. Only where the kernel will let it return
+    to SCHED_OTHER when ready, before any fork; so does each learned import (Note [Warm
+    interpreters learn]), and the server lifts it to SCHED_OTHER when it sends a Fork or Job,
+    so no run or load waits on an idle import. Only where the kernel will let it return
     (root, or RLIMIT_NICE of 20): otherwise its children would inherit the idle policy."""
     import resource
 
