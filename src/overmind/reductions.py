@@ -46,12 +46,14 @@ cached model computes bit-identical outputs to a plain load of the same files.
 
 Note [Large storages on huge pages]
 A storage of ``HUGE_PAGE`` (2 MiB) bytes or more starts on a 2 MiB offset of its segment
-(plus its cache-line misalignment), so its pages are whole huge pages of its own where
-the kernel backs segments with them (Note [Huge pages for segments] in
-``overmind.memfd``). The gap this leaves before it is not wasted: smaller storages
-packed later fill it first-fit (page- or cache-line-aligned as before), so a segment
-grows by little more than its bytes. Offsets are the same whatever the machine's
-huge-page setting; only how the segment is filled differs.
+(plus its cache-line misalignment) where that skips at most 1/16 of its size, so its
+pages are whole huge pages of its own where the kernel backs segments with them (Note
+[Huge pages for segments] in ``overmind.memfd``); others start on a page, as before.
+The gap left before an aligned storage is not wasted: smaller storages packed later
+fill it first-fit (page- or cache-line-aligned as before). On overmind-bench's ``base``
+models this aligns 72% of the large storages' bytes for 0.65% more segment size
+(aligning every one: 4.5%, the gaps refilled). Offsets are the same whatever the
+machine's huge-page setting; only how the segment is filled differs.
 
 Note [One mapping per load]
 ``unpack`` maps every segment afresh, so two loads in one process never share pages
@@ -113,6 +115,8 @@ _SIMPLE = (bool, int, float, str, type(None))
 _SMALL_ALIGNMENT = 64
 # A gap left before a huge-page-aligned storage is kept for later small storages if this large.
 _MIN_GAP = ALIGNMENT
+# A large storage moves to the next huge page only if that skips at most this share of its size.
+_MAX_PADDING_SHARE = 16
 
 
 class StorageRef(NamedTuple):
@@ -235,8 +239,9 @@ class _SegmentWriter:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"overmind-fill-{self.name}")
         # Keep the source's misalignment within a cache line: see Note [Same alignment, same numbers].
         misalignment = address % _SMALL_ALIGNMENT
-        if nbytes >= HUGE_PAGE:  # Note [Large storages on huge pages]
-            start = align_up(self.end, HUGE_PAGE)
+        start = align_up(self.end, HUGE_PAGE)
+        if nbytes >= HUGE_PAGE and start - self.end <= nbytes // _MAX_PADDING_SHARE:
+            # Note [Large storages on huge pages]
             if start - self.end >= _MIN_GAP:
                 self.gaps.append([self.end, start])
             offset = start + misalignment

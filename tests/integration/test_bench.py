@@ -71,13 +71,14 @@ SCHEMA = {
                 "cuda_device": (str, None)},
     "settings": {"quick": bool, "scale": str, "device": str, "runs": int, "warm_runs": int, "modes": [str],
                  "page_cache": [("warm", "cold")], "page_cache_method": (str, None), "memory_procs": int,
-                 "process_per": ("scenario", "run"), "cold_mode": ("background", "wait"), "cache_dir": str},
+                 "process_per": ("scenario", "run"), "cold_mode": ("background", "wait"), "cache_dir": str,
+                 "shmem_enabled": (str, None), "shmem_enabled_runs": [str]},
     "startup": ({"bare_s": SUMMARY, "patched_s": SUMMARY, "added_s": float}, None),
     "scenarios": [{"name": str, "title": str, "why": str, "status": ("ok", "skipped", "failed"),
                    "reason": (str, None), "components": [str], "tensor_bytes": (int, None), "file_bytes": int,
                    "warm_misses": int,
                    "results": [{"mode": ("plain", "first", "cold", "warm"), "page_cache": ("warm", "cold"),
-                                "runs": [dict], "summary": dict, "x_plain": (float, int, None),
+                                "shmem_enabled": (str, None), "runs": [dict], "summary": dict, "x_plain": (float, int, None),
                                 "x_plain_with_first_use": (float, int, None)}]}],
     "memory": [{"scenario": str, "procs": int, "tensor_bytes": (int, None), "status": ("ok", "failed"),
                 "reason": (str, None), "plain": HOLDING + (None,), "overmind": HOLDING + (None,)}],
@@ -122,6 +123,11 @@ def test_quick_run_covers_every_scenario_and_writes_the_documented_json(tmp_path
     check_schema(doc, SCHEMA)
 
     assert doc["settings"]["quick"] and doc["settings"]["process_per"] == "run"
+    # The huge-page setting the loads ran under (tests never change it).
+    setting = shmem_setting()
+    assert doc["settings"]["shmem_enabled"] == setting and doc["settings"]["shmem_enabled_runs"] == []
+    assert all(r["shmem_enabled"] == setting for s in doc["scenarios"] for r in s["results"])
+    assert f"shmem_enabled: {setting}: overmind's segments use " in proc.stdout
     assert [s["name"] for s in doc["scenarios"]] == list(LOADS)
     for scenario in doc["scenarios"]:
         assert scenario["status"] == "ok", scenario["reason"]
@@ -210,11 +216,38 @@ def test_usage_errors_exit_2_and_say_what_is_wrong(tmp_path):
         (["--whole-modes", "run,patched"], "--whole-modes must include plain"),
         (["--whole-scripts", "lm,nope"], "--whole-scripts: unknown nope"),
         (["--whole-runs", "0"], "--whole-runs must be at least 1"),
+        (["--shmem-enabled", "never,sometimes"], "--shmem-enabled: unknown sometimes; choose from always,"),
+        (["--shmem-enabled", ","], "--shmem-enabled needs at least one value"),
     ]:
         proc = bench(*args, "--cache-dir", str(tmp_path))
         assert proc.returncode == 2, (args, proc.stderr)
         assert message in proc.stderr, (args, proc.stderr)
     assert not any(tmp_path.iterdir())  # nothing generated
+
+
+def shmem_setting() -> str | None:
+    text = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def test_shmem_enabled_option_labels_every_run_with_the_value_it_ran_under_and_leaves_the_machine_as_it_was(
+        tmp_path):
+    """--shmem-enabled with the machine's own value: the same code path as never,advise on a
+    root machine (Note [Runs under each shmem setting]), without changing a global setting."""
+    setting = shmem_setting()
+    out = tmp_path / "bench.json"
+    proc = bench("--scale", "tiny", "--scenarios", "lm", "--runs", "1", "--shmem-enabled", setting,
+                 "--cache-dir", str(tmp_path / "cache"), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    check_schema(doc, SCHEMA)
+    assert doc["settings"]["shmem_enabled"] == setting and doc["settings"]["shmem_enabled_runs"] == [setting]
+    [lm] = doc["scenarios"]
+    assert [(r["mode"], r["shmem_enabled"]) for r in lm["results"]] == [(m, setting) for m in ("plain", "cold", "warm")]
+    assert lm["results"][0]["x_plain"] == 1.0
+    assert f"load scenarios run under {setting} in turn" in proc.stdout
+    assert f"shmem_enabled {setting} run 1" in proc.stderr
+    assert shmem_setting() == setting
 
 
 def test_device_cuda_runs_or_skips_cleanly(tmp_path):

@@ -346,28 +346,29 @@ def storage_table(packed) -> list:
 
 
 MiB = 1 << 20
-# Pickling order: small, large, small ones, large, ... (Note [Large storages on huge pages]).
-LAYOUT_SIZES = [3000, 3 * MiB + 40, 100_000, 5 * MiB, 70_000, 9_000, 2 * MiB, 300_000, 64]
+# Pickling order: small, large, small, large, ... (Note [Large storages on huge pages]).
+LAYOUT_SIZES = [2 * MiB - 100_000, 3 * MiB, 60_000, 40 * MiB, 300_000, 3 * MiB, 5 * MiB // 2, 64]
 
 
-def test_large_storages_start_on_huge_page_offsets_and_small_ones_fill_the_gaps_before_them():
+def test_large_storages_start_on_huge_page_offsets_where_cheap_and_small_ones_fill_the_gaps_before_them():
     from overmind.memfd import HUGE_PAGE
 
     tensors = [torch.full((n,), i + 1, dtype=torch.uint8) for i, n in enumerate(LAYOUT_SIZES)]
     packed = pack(tensors, writers=1)
     table = storage_table(packed)
+    starts = [ref.offset - ref.offset % 64 for ref in table]
     for ref, tensor in zip(table, tensors):
-        start = ref.offset - ref.offset % 64
         assert ref.offset % 64 == tensor.data_ptr() % 64  # Note [Same alignment, same numbers]
-        if ref.nbytes >= HUGE_PAGE:
-            assert start % HUGE_PAGE == 0, ref
-        elif ref.nbytes >= 4096:
-            assert start % 4096 == 0, ref
-    # The small storages pickled after the first large one went into the gaps before the large ones,
-    # so the segment ends where its last large storage does.
-    first_large = table[1].offset
-    assert all(ref.offset < first_large for ref, n in zip(table[2:], LAYOUT_SIZES[2:]) if n < HUGE_PAGE)
-    assert packed.segments[0].size == 14 * MiB
+    # 3 MiB after 1.9 MiB: 100 kB of padding (< 1/16) puts it on 2 MiB; so for 40 MiB after 1 MiB of
+    # padding and 3 MiB right on a boundary; 2.5 MiB would skip 1 MiB (> 1/16): a page, as before.
+    assert [start % HUGE_PAGE == 0 for start in starts] == [True, True, False, True, False, True, False, False]
+    assert starts[6] % 4096 == 0
+    # The small ones after the first large one went into the gaps before 3 MiB and 40 MiB.
+    assert starts[2] < starts[1] and starts[4] < starts[3] and starts[7] < starts[1]
+    seg = packed.segments[0]
+    end = starts[6] + LAYOUT_SIZES[6]
+    assert end == 51 * MiB + MiB // 2  # nothing but the one page-aligned storage after the last large one
+    assert seg.size == (52 * MiB if seg.fill == "mapping" else end)
     again, _ = rebuild(packed)
     assert all(torch.equal(a, b) for a, b in zip(again, tensors))
 

@@ -51,6 +51,7 @@ class Switch:
         self.values = list(dict.fromkeys(values))
         self.path = path
         self.original = current(path)
+        self._wrote = False  # only a value this switch wrote is ever written back
         self._previous_sigterm = None
 
     def check(self) -> None:
@@ -62,13 +63,16 @@ class Switch:
                                 f"out --shmem-enabled to run under the current value")
 
     def set(self, value: str) -> None:
+        if value == self.original and not self._wrote:
+            return  # the machine's own value: nothing to change (runs record what they ran under)
         if current(self.path) != value:
+            self._wrote = True
             self.path.write_text(value)
             if current(self.path) != value:
                 raise SwitchRefused(f"{self.path} did not take {value!r} (this kernel does not offer it?)")
 
     def restore(self) -> None:
-        if self.original is not None and current(self.path) != self.original:
+        if self._wrote and self.original is not None and current(self.path) != self.original:
             self.path.write_text(self.original)
 
     def __enter__(self) -> "Switch":
