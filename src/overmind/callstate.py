@@ -38,8 +38,7 @@ diffusers 0.42, and by the HF test-suite harness ``benchmarks/hf_suites.py``):
 - Environment variables that shape a load (``HF_*``, ``TRANSFORMERS_*``, ...): part of the
   loader's context (``overmind.config.ENV_PREFIXES``), so a different value is another loader.
 - Not handled: CUDA generators (loaders never initialise CUDA, Note [Zygotes never touch
-  CUDA]); ``transformers``' ``warning_once`` records are replayed on every hit, not once
-  per process; a terminal-width-dependent log layout is the loader's (80 columns).
+  CUDA]); a terminal-width-dependent log layout is the loader's (80 columns).
 
 Note [Loads that draw random numbers]
 The key never includes generator states: most loads draw nothing, and keying them on the

@@ -20,6 +20,8 @@ caller's own ``warnings`` filters and logging configuration, in the order they h
   levels, and replayed through the logger of the same name with ``Logger.handle`` when that
   logger is enabled for the record's level in the caller: its level, ``disabled``, filters,
   handlers and propagation decide, as for the plain call. DEBUG records are not recorded.
+- A record transformers logs with ``warning_once``/``info_once`` is replayed once per process
+  and message, as those do (not knowing whether the caller's own code logged it before).
 - Both are bounded (MAX_EVENTS, MAX_TEXT) to stay within the protocol's field limit.
 """
 
@@ -75,7 +77,8 @@ class Recorder:
                 rec.exc_text = logging.Formatter().formatException(rec.exc_info)
             if rec.exc_text:
                 text = f"{text}\n{rec.exc_text}"
-            recorder._add(["log", rec.name, rec.levelno, text[:MAX_TEXT], rec.pathname, rec.lineno, rec.funcName])
+            recorder._add(["log", rec.name, rec.levelno, text[:MAX_TEXT], rec.pathname, rec.lineno, rec.funcName,
+                           _logged_once()])
 
         def is_enabled(logger: logging.Logger, level: int) -> bool:
             return level >= RECORDED_LEVEL or enabled(logger, level)
@@ -90,6 +93,20 @@ class Recorder:
             logging.Logger.handle, logging.Logger.isEnabledFor = self._saved  # type: ignore[method-assign]
             self._saved = None
         self._warnings.__exit__(*exc)
+
+
+# transformers' Logger.warning_once / info_once: once per process and message.
+_ONCE_FUNCTIONS = frozenset({"warning_once", "info_once"})
+_replayed_once: set = set()
+
+
+def _logged_once() -> bool:
+    frame, depth = sys._getframe(2), 0
+    while frame is not None and depth < 6:
+        if frame.f_code.co_name in _ONCE_FUNCTIONS:
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
 
 
 def _category(name: str) -> type:
@@ -139,8 +156,12 @@ def replay(events: list) -> None:
             # script's loader (BuiltinImporter) raises on get_source.
             warnings.warn_explicit(message, _category(category), filename, lineno,
                                    module=globals_.get("__name__") if globals_ else None, registry=registry)
-        elif event[0] == "log" and len(event) == 7:
-            _, name, level, text, pathname, lineno, func = event
+        elif event[0] == "log" and len(event) == 8:
+            _, name, level, text, pathname, lineno, func, once = event
+            if once:  # as the plain call's warning_once would: once per process and message
+                if (name, level, text) in _replayed_once:
+                    continue
+                _replayed_once.add((name, level, text))
             logger = logging.getLogger(name) if name != "root" else logging.getLogger()
             if logger.isEnabledFor(level):
                 logger.handle(logger.makeRecord(logger.name, level, pathname, lineno, text, (), None, func))

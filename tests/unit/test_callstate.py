@@ -131,3 +131,16 @@ def test_recorded_warnings_and_records_replay_through_the_callers_filters_and_le
         warnings.simplefilter("ignore")
         replay(recorder.events)
     assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+
+
+def test_a_warning_once_record_is_replayed_once_per_process(caplog):
+    from transformers.utils import logging as hf_logging
+
+    logger = hf_logging.get_logger("overmind_test_once")
+    with Recorder() as recorder:
+        logger.warning_once("said once")
+        logger.warning("said every time")
+    with caplog.at_level(logging.WARNING, logger="overmind_test_once"):
+        replay(recorder.events)
+        replay(recorder.events)
+    assert [r.getMessage() for r in caplog.records] == ["said once", "said every time", "said every time"]
