@@ -71,6 +71,10 @@ class OvermindError(RuntimeError):
     """Raised instead of falling back when ``OVERMIND_STRICT=1``."""
 
 
+class NotWorthCaching(Exception):
+    """The call goes to the original, unfiled and without a warning: no later call could hit."""
+
+
 # -- objects overmind returned: id -> (weakref, key), so they can travel as references ----------
 
 _origins: dict[int, tuple[weakref.ref, str]] = {}
@@ -239,6 +243,8 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
                     remember = pending.key
                 else:
                     _warn_once(f"the cache cannot load this call ({pending.reason})")
+            except NotWorthCaching as why:
+                logger.debug("not caching %s: %s", description, why)
     except Exception as err:
         _drop_connection()
         from overmind.client import ServerUnavailable
@@ -261,7 +267,7 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
 def _fetch(config: "Config", target: "Target", call) -> tuple[Any, Any, str]:
     """(object, its LoadMeta, the key it is filed under), or CachePending."""
     from overmind import protocol as P
-    from overmind.callstate import rng_digest, rng_key
+    from overmind.callstate import rng_digest, rng_key, seeded
 
     request = P.Load(call.key, target.name, call.description, _context(), call.refs, modules=target.modules,
                      wait=config.cold_wait)
@@ -277,6 +283,8 @@ def _fetch(config: "Config", target: "Target", call) -> tuple[Any, Any, str]:
                 # Note [Loads that draw random numbers]: filed for callers starting from other states.
                 if request.key != call.key:
                     raise P.ProtocolError(f"the entry for {request.key[:16]} started from other generator states")
+                if not seeded(meta.rng.get("drew", [])):
+                    raise NotWorthCaching("the load draws from a generator seeded from OS entropy")
                 request = P.Load(rng_key(call.key, digest), target.name, call.description, _context(),
                                  call.refs, modules=target.modules, wait=config.cold_wait)
                 continue

@@ -54,6 +54,8 @@ derived from its own digest (``rng_key``), a miss that the loader fills from its
 So ``set_seed(42)`` followed by a fine-tuning script's ``from_pretrained(base, num_labels=2)``
 hits on every restart with the head that seed gives, and each other seed gets its own entry
 (its base weights deduplicated by content, Note [Content index] in ``overmind.registry``).
+A process whose torch generator was never seeded (torch seeds it from OS entropy) will
+never meet its state again: such a caller loads plainly and files nothing (``seeded``).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ import sys
 from typing import Any, Optional
 
 __all__ = ["bypass_reason", "keyed_state", "apply_keyed", "rng_state", "set_rng_state", "rng_digest",
-           "rng_key", "encode_rng", "decode_rng"]
+           "rng_key", "seeded", "encode_rng", "decode_rng"]
 
 # Module-level functions whose replacement means an initialisation patch is active.
 _MODULE_OWNED = {"torch.nn.modules.module": ("register_parameter", "register_buffer")}
@@ -179,6 +181,19 @@ def rng_state() -> dict:
         name, keys, pos, has_gauss, gauss = numpy.random.get_state()
         state["numpy"] = (name, keys.tobytes(), int(pos), int(has_gauss), float(gauss))
     return state
+
+
+# torch seeds its default generator from 64 bits of OS entropy; a seed a script chose
+# (``set_seed(42)``, ``manual_seed(1234)``) is almost always smaller.
+_CHOSEN_SEED_LIMIT = 1 << 32
+
+
+def seeded(names: list) -> bool:
+    """Could a later process start from the same state of the generators ``names``? Not when
+    torch's was seeded from OS entropy (no ``manual_seed``): filing that load would only fill
+    the cache with an entry no process will ask for again."""
+    torch = sys.modules.get("torch")
+    return not ("torch" in names and torch is not None and torch.initial_seed() >= _CHOSEN_SEED_LIMIT)
 
 
 def set_rng_state(state: dict) -> None:

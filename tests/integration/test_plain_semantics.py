@@ -67,6 +67,12 @@ for seed in (0, 1):
                                "base": head(model.model.embed_tokens.weight), "next_draw": head(torch.rand(4))}
 del records[:]
 
+# The same load in a process whose generator was seeded from OS entropy (as torch does by default).
+torch.seed()
+model = AutoModelForSequenceClassification.from_pretrained(lm, num_labels=2)
+out["unseeded"] = {"cached": served_from_cache(model)}
+del records[:]
+
 # No checkpoint at all: every weight drawn from the caller's seed.
 torch.manual_seed(7)
 cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -195,6 +201,12 @@ def test_a_load_that_draws_nothing_is_shared_by_every_seed(runs):
     same_as_plain(runs, "draws_nothing")
     lm_loads = [e for e in runs["entries"] if "AutoModelForCausalLM" in e.get("description", "")]
     assert len(lm_loads) == 1, lm_loads
+
+
+def test_an_unseeded_process_loads_plainly_and_files_nothing(runs):
+    assert not any(run["unseeded"]["cached"] for run in (runs["fill"], runs["fill again"], runs["hit"]))
+    heads = [e for e in runs["entries"] if "num_labels=2" in e.get("description", "")]
+    assert len(heads) == 2, heads  # seeds 0 and 1 only
 
 
 # -- global defaults --------------------------------------------------------------------------
