@@ -224,8 +224,10 @@ class MeasureLock:
             self.fd = -1
 
 
-def run_pass(sel: Selection, root: Path, name: str, out: Path, args, server: Optional[PrivateServer]) -> dict:
-    """One fresh pytest process over ``sel``; its records go to ``out/<name>.jsonl``."""
+def run_pass(sel: Selection, root: Path, name: str, out: Path, args, server: Optional[PrivateServer],
+             targets: Optional[list[str]] = None) -> dict:
+    """One fresh pytest process over ``sel`` (or just the test ids ``targets``); its records go to
+    ``out/<name>.jsonl``."""
     results = out / f"{name}.jsonl"
     results.unlink(missing_ok=True)
     env = dict(server.env if server else os.environ)
@@ -242,8 +244,8 @@ def run_pass(sel: Selection, root: Path, name: str, out: Path, args, server: Opt
         if args.strict:
             env["OVERMIND_STRICT"] = "1"
     command = [sys.executable, "-m", "pytest", "-p", "hf_suites_plugin", "-p", "no:cacheprovider", "-q", "-rN",
-               "--tb=short", f"--timeout={args.timeout}", "-W", "ignore::DeprecationWarning", sel.path,
-               *sel.pytest_args]
+               "--tb=short", f"--timeout={args.timeout}", "-W", "ignore::DeprecationWarning",
+               *(targets if targets else [sel.path, *sel.pytest_args])]
     with MeasureLock(args.lock):
         before = server.counters() if server else None
         start = time.monotonic()
@@ -294,6 +296,11 @@ def run_selection(sel: Selection, root: Path, args) -> None:
             server.stop()
     else:
         print("  fill and hit done already", flush=True)
+    # A test that failed patched is run plain once more, alone: if it fails again it is flaky (or
+    # order-dependent), not a difference the cache made.
+    regressed = sorted({r["nodeid"] for r in summarize(out)["regressions"]})
+    if args.recheck and regressed and (args.force or not (out / "replain.done").exists()):
+        run_pass(sel, root, "replain", out, args, None, targets=regressed)
 
 
 # -- the diff ----------------------------------------------------------------------------------
@@ -333,13 +340,14 @@ def cause_key(text: str) -> str:
 def counts(records: dict[str, dict]) -> dict[str, int]:
     out: dict[str, int] = {}
     for rec in records.values():
-        if rec["outcome"] != "session":
+        if rec["outcome"] not in ("session", "overmind-warning"):
             out[rec["outcome"]] = out.get(rec["outcome"], 0) + 1
     return out
 
 
 def summarize(out: Path) -> dict:
     passes = {name: read_pass(out, name) for name in PASSES}
+    replain = read_pass(out, "replain")[0]
     plain = passes["plain"][0]
     regressions = []
     improvements = []
@@ -352,7 +360,7 @@ def summarize(out: Path) -> dict:
         for rec in records.values():
             for why, n in rec.get("uncached", {}).items():
                 uncached[why] = uncached.get(why, 0) + n
-            fallbacks += len(rec.get("fallbacks", []))
+            fallbacks += len(rec.get("fallbacks", [])) + (rec["outcome"] == "overmind-warning")
             served += rec.get("server", {}).get("hits", 0)
         server = _delta(done.get("server_before"), done.get("server_after")) if done else "not run"
         cache[name] = {"server": server, "uncached": uncached, "fallbacks": fallbacks, "hits_in_tests": served}
@@ -366,7 +374,8 @@ def summarize(out: Path) -> dict:
             if other["outcome"] in BAD:
                 regressions.append({"nodeid": nodeid, "pass": name, "plain": rec["outcome"],
                                     "patched": other["outcome"], "text": other.get("text", ""),
-                                    "server": other.get("server"), "uncached": other.get("uncached")})
+                                    "server": other.get("server"), "uncached": other.get("uncached"),
+                                    "replain": replain.get(nodeid, {}).get("outcome")})
         for nodeid, other in records.items():
             if plain.get(nodeid, {}).get("outcome") in BAD and other["outcome"] == "passed":
                 improvements.append({"nodeid": nodeid, "pass": name})
@@ -397,6 +406,8 @@ def report(args, selections: list[Selection]) -> str:
              "wrapper sent to the original (reason: count).", "",
              "| selection | plain | fill | hit | wall s (plain/fill/hit) | fill: server | hit: server | hit: uncached | regressions |",
              "|---|---|---|---|---|---|---|---|---|"]
+    if args.notes and Path(args.notes).exists():
+        lines[4:4] = [Path(args.notes).read_text().rstrip(), ""]
     for s in summaries:
         walls = "/".join("-" if s["walls"][p] is None else f"{s['walls'][p]:.0f}" for p in PASSES)
         uncached = ", ".join(f"{k}: {v}" for k, v in s["cache"]["hit"]["uncached"].items()) or "-"
@@ -411,8 +422,9 @@ def report(args, selections: list[Selection]) -> str:
     for cause, group in sorted(by_cause.items(), key=lambda kv: -len(kv[1])):
         lines += [f"### {len(group)} x `{cause}`", ""]
         for r in group:
+            again = f"; plain again alone: {r['replain']}" if r.get("replain") else ""
             lines.append(f"- `{r['nodeid']}` ({r['pass']}: {r['plain']} -> {r['patched']}; server {r['server']}, "
-                         f"uncached {r['uncached']})")
+                         f"uncached {r['uncached']}{again})")
         first = group[0]["text"].strip()
         lines += ["", "```", first[-1800:], "```", ""]
     improved = [dict(i, selection=s["selection"]) for s in summaries for i in s["improvements"]]
@@ -443,12 +455,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--only", help="run only the selections whose text matches this regular expression")
     parser.add_argument("--out", default="/tmp/hf_suites", help="results, one folder per selection (resumable)")
     parser.add_argument("--report", help="write the markdown report here too (always printed)")
+    parser.add_argument("--notes", help="a markdown file put at the top of the report (what a reader should know)")
     parser.add_argument("--report-only", action="store_true", help="run nothing; report what --out holds")
     parser.add_argument("--force", action="store_true", help="rerun selections that are complete")
     parser.add_argument("--age", type=float, default=60.0, help="date saved files this many seconds back (0: off)")
     parser.add_argument("--cold", choices=("wait", "background"), default="wait",
                         help="OVERMIND_COLD for the patched passes (wait: a miss is served from the cache too)")
     parser.add_argument("--strict", action="store_true", help="OVERMIND_STRICT=1: a cache failure fails the test")
+    parser.add_argument("--no-recheck", dest="recheck", action="store_false",
+                        help="do not rerun plain, alone, the tests that failed patched (to tell flaky ones apart)")
     parser.add_argument("--timeout", type=int, default=180, help="seconds per test (pytest-timeout)")
     parser.add_argument("--pass-timeout", type=int, default=1200, help="seconds per pytest process")
     parser.add_argument("--max-memory", help="the private server's budget (default: its own)")

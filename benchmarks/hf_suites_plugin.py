@@ -73,13 +73,10 @@ class _OvermindEvents(logging.Handler):
 
 
 def _reason_class(why: str) -> str:
-    """A short class for an Uncacheable reason (its text up to the first number or path)."""
-    words = []
-    for word in why.split():
-        if any(c.isdigit() for c in word) or "/" in word or len(words) == 6:
-            break
-        words.append(word)
-    return " ".join(words) or why[:40]
+    """A short class for an Uncacheable reason: its words without paths and numbers
+    ("was modified less than s ago", "a file-like argument (BytesIO)")."""
+    words = [w for w in why.split() if "/" not in w and not any(c.isdigit() for c in w)]
+    return " ".join(words[:8]) or why[:40]
 
 
 _events = _OvermindEvents()
@@ -255,6 +252,15 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
         if events["fallbacks"]:
             rec["fallbacks"] = events["fallbacks"][:5]
     _write(rec)
+
+
+def pytest_warning_recorded(warning_message, when, nodeid, location) -> None:
+    """overmind's own warnings (the first fallback in a process is a RuntimeWarning, later ones are
+    log records): pytest reports them after the test's records, so they get a record of their own."""
+    text = str(warning_message.message)
+    if text.startswith("overmind"):
+        _write({"nodeid": f"{nodeid}#overmind-warning", "outcome": "overmind-warning", "seconds": 0.0,
+                "text": f"{warning_message.category.__name__}: {text[:300]}"})
 
 
 def pytest_collectreport(report) -> None:
