@@ -52,9 +52,18 @@ per 2 MiB: reading every page of 1 GiB then takes ~6 ms here instead of ~75 ms. 
   and copies one 4 KiB page (Note [Sealed segments are immutable] still holds; tests
   check both).
 
-Storages that span huge pages start on 2 MiB offsets (``HUGE_PAGE``, laid out by
-``overmind.reductions``), so no huge page holds the tail of one large tensor and the
-head of another.
+Storages of 2 MiB or more start on 2 MiB offsets where that costs little (Note [Large
+storages on huge pages] in ``overmind.reductions``).
+
+What it costs (``benchmarks/fill_rate.py``: pack of overmind-bench's ``controlnet``
+workload, 3.58 GB, fresh processes): under ``never`` the fill is ``pwrite``, 1.6 GB/s
+as before. Under ``advise`` the huge-page fill ran at 0.31 GB/s against 1.9 GB/s for
+``pwrite`` (which gets no huge pages there) on this machine, a Firecracker guest that
+hands free memory back to its host: each fresh 2 MiB page costs ~3 ms of first touch
+by the hypervisor, while a huge page just freed by another fill refills at 12 GB/s
+(``benchmarks/segment_fill.py``). The fill runs once per model, behind the caller;
+every warm load's first use gains (0.62 s -> 0.08 s there, ``overmind-bench
+--shmem-enabled never,advise``), so under ``advise`` huge pages win.
 """
 
 from __future__ import annotations
