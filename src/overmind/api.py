@@ -15,10 +15,11 @@ instead of falling back to a plain load), ``OVERMIND_TIMEOUT`` (seconds),
 ``OVERMIND_PATCH`` (extra ``module::Qualname.attr`` points); see ``overmind.config``.
 
 Note [Never worse than no cache]
-If anything on the cache path fails (no server, a timeout, a garbled reply, a loader
-that raised), the original loader runs in the calling process and one warning per
-process says why. A call whose arguments cannot be keyed (``overmind.calls``) goes
-straight to the original without a warning.
+If anything on the cache path fails (no server, a timeout, a garbled reply, a result
+that cannot be cached), the original loader runs in the calling process and one warning
+per process says why. A call whose arguments cannot be keyed (``overmind.calls``) goes
+straight to the original without a warning, and so does one whose original raised in the
+loader: it most likely raises here as well, and the plain call would warn nothing.
 """
 
 from __future__ import annotations
@@ -222,6 +223,8 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
     global _server_down_until
     if _server_down_until and time.monotonic() < _server_down_until and not flag("OVERMIND_STRICT"):
         return target.original(*args, **kwargs)  # Note [A silent server is skipped for a while]
+    from overmind import protocol as P
+
     try:
         config = Config.from_env()
         from overmind.calls import Uncacheable, encode_call
@@ -241,6 +244,10 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
             except CachePending as pending:  # a miss: load here while the server caches it
                 if pending.loading:
                     remember = pending.key
+                elif pending.code == P.ErrorCode.LOADER_FAILED:
+                    # The original raised in the loader: it most likely raises here too, and a
+                    # plain call warns nothing (Note [Process-global state of a load]).
+                    logger.info("the cache's loader raised for %s: %s", description, pending.reason)
                 else:
                     _warn_once(f"the cache cannot load this call ({pending.reason})")
             except NotWorthCaching as why:
@@ -253,7 +260,10 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
             _server_down_until = time.monotonic() + SERVER_DOWN_BACKOFF
         if flag("OVERMIND_STRICT"):
             raise OvermindError(f"overmind could not load {description}: {err}") from err
-        _warn_once(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} ({description})")
+        if isinstance(err, P.RemoteError) and err.code == P.ErrorCode.LOADER_FAILED:
+            logger.info("the cache's loader raised for %s: %s", description, err)  # as for a Pending above
+        else:
+            _warn_once(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} ({description})")
     else:
         if meta is not None:
             _as_plain_call_left_it(rng_end, meta.events)

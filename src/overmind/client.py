@@ -70,11 +70,12 @@ class StaleConnection(ConnectionError):
 class CachePending(Exception):
     """A miss being loaded in the background (Note [Cold loads run behind the caller])."""
 
-    def __init__(self, key: str, loading: bool, reason: str) -> None:
+    def __init__(self, key: str, loading: bool, reason: str, code: int = 0) -> None:
         super().__init__(reason or f"{key} is loading in the background")
         self.key = key
         self.loading = loading
         self.reason = reason
+        self.code = code  # the remembered failure's ErrorCode
 
 
 def _connect(path: str, timeout: float) -> socket.socket:
@@ -261,7 +262,7 @@ class Connection:
         for fd in fds:
             os.close(fd)
         if isinstance(message, P.Pending):
-            raise CachePending(message.key, message.loading, message.reason)
+            raise CachePending(message.key, message.loading, message.reason, message.code)
         return P.expect(message, P.Entry, "for a load"), skeleton
 
     def map_segments(self, entry: P.Entry) -> list[Optional[mmap.mmap]]:

@@ -100,6 +100,7 @@ class FileObserver:
 def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
     """Run one load in this (forked) process; answer on ``job_sock``. Returns the exit code."""
     started = time.monotonic()
+    code = P.ErrorCode.CANNOT_CACHE  # until the original runs, and once it has returned
     try:
         sys.path[:] = job.sys_path
         from overmind import callstate, quirks
@@ -134,11 +135,13 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         observer = FileObserver()
         maps_before = observer.mapped()
         observer.active = True
+        code = P.ErrorCode.LOADER_FAILED
         try:
             with grad_mode, Recorder() as recorder:
                 result = call.fn(*call.args, **call.kwargs)
         finally:
             observer.active = False
+        code = P.ErrorCode.CANNOT_CACHE
         rng_end = callstate.rng_state()
         drew = {name: state for name, state in rng_end.items() if rng_start.get(name) != state}
         rng = {} if not drew else {"drew": sorted(drew), "start": callstate.rng_digest(caller_rng, sorted(drew)),
@@ -172,7 +175,7 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         return 0
     except BaseException as err:  # reported to the client as a typed error with this traceback
         try:
-            P.send_message(job_sock, P.JobFailed(job.key, P.ErrorCode.LOADER_FAILED,
+            P.send_message(job_sock, P.JobFailed(job.key, code,
                                                  f"{type(err).__name__}: {err}", traceback.format_exc()))
         except OSError:
             pass

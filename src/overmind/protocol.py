@@ -64,6 +64,7 @@ class ErrorCode:
     INTERNAL = 10
     BUSY = 11  # too many connections: Note [Every peer is bounded] in overmind.server
     NOT_FORKABLE = 12  # a warm interpreter that changed (stale modules, a new thread) refuses to fork
+    CANNOT_CACHE = 13  # the original returned, but its result could not be cached (pickling, packing)
 
     @classmethod
     def name(cls, code: int) -> str:
@@ -202,6 +203,7 @@ class Pending(Message):
     key: str
     loading: bool
     reason: str = ""  # why the entry cannot be had (a recent failure), empty while loading
+    code: int = 0  # that failure's ErrorCode
     # The request asked to wait: the Entry or Error follows when the load ends. A client
     # knows within its short reply bound that the server is alive, and waits long only now.
     waiting: bool = False

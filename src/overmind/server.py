@@ -419,7 +419,8 @@ class Server:
         if admission.failure is not None:
             if request.wait or request.lookup_only:
                 return P.send_message(conn, admission.failure)
-            return P.send_message(conn, P.Pending(request.key, False, admission.failure.message[:MAX_TEXT]))
+            return P.send_message(conn, P.Pending(request.key, False, admission.failure.message[:MAX_TEXT],
+                                                  code=admission.failure.code))
         flight = admission.flight
         if flight is None:  # lookup_only and nothing there
             return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {request.key}")
