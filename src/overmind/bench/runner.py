@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from overmind.bench import shmem
 from overmind.bench.harness import (BenchError, BenchServer, Worker, base_env, drop_page_cache, pss, tree_pss,
                                     used_memory)
-from overmind.bench import shmem
 from overmind.bench.models import model_files
 from overmind.bench.scenarios import Scenario
 
