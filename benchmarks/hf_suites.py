@@ -28,6 +28,11 @@ Each pass holds ``--lock`` (flock; /tmp/overmind-measure.lock) while it runs and
 so others can measure between passes. Results are kept per selection under ``--out``; a selection
 whose three passes are complete is not run again (``--force`` reruns), so a stopped run resumes.
 
+A test that fails patched after passing plain is run plain once more, alone (``replain``), so a flaky one
+is told apart from a difference the cache made (``--no-recheck`` skips it). To run against other overmind
+code (e.g. the commit before a fix), put its ``src`` first on PYTHONPATH: the harness, the server and every
+pass inherit it.
+
 Note [Aged saves] in ``hf_suites_plugin``: by default (``--age 60``) what a test saves is dated 60 s
 back, in every pass, so that loads of just-saved folders reach the cache instead of being refused as
 racy (Note [Racy files] in overmind.calls); ``--age 0`` runs the tests as they are.
