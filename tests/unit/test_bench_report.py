@@ -77,8 +77,8 @@ def _results(plan: Plan) -> dict:
     return {
         "scenarios": {"lm": {"scenario": lm, "status": "ok", "reason": None, "tensor_bytes": 2_200_000_000,
                              "file_bytes": 2_200_000_100, "warm_misses": 0,
-                             "runs": {("plain", "warm"): runs(0.2), ("warm", "warm"): runs(0.01),
-                                      ("cold", "warm"): runs(0.25)}}},
+                             "runs": {("plain", "warm", "never"): runs(0.2), ("warm", "warm", "never"): runs(0.01),
+                                      ("cold", "warm", "never"): runs(0.25)}}},
         "memory": [{"scenario": "lm", "procs": 4, "tensor_bytes": 2_200_000_000, "status": "ok", "reason": None,
                     "plain": {"pss_bytes": 8_000_000_000, "used_bytes": 1_000_000_000, "pss_ratio": 3.6,
                               "used_ratio": 0.45, "pss_before_bytes": 1, "pss_after_bytes": 2,
