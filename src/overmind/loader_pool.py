@@ -13,11 +13,20 @@ pool is bounded in count (``OVERMIND_WARM_MAX``), memory (``OVERMIND_WARM_MEMORY
 and idle time (``OVERMIND_WARM_IDLE``); retiring an interpreter never kills a load or run
 in progress (Note [Retiring never kills work] in overmind.zygote).
 
-Note [Cold fills yield to their caller]
+Note [Cold fills wait for their caller]
 On a miss nobody waits for (Note [Cold loads run behind the caller] in overmind.server)
-the caller loads plainly while a loader fills the cache with the same work: on a small
-machine both would share the cores, and a cast to fp16 made the caller's load 3.5 x
-plain. So such a fill's loader runs under SCHED_IDLE, every thread of it (a ``Fill``):
+the caller loads plainly while a loader would fill the cache with the same work. Run at
+once, the fill shares the cores, the memory bandwidth and the page allocator with the
+caller: a cast to fp16 made the caller's load 2-3.5 x plain on 2 cores, and still 2 x with
+the fill at idle priority; started after the caller's load, 0.9 x. So a fill first waits
+(holding no load slot) until its caller runs or waits for a CPU less than half the time for
+``CALLER_QUIET`` polls (its load is over), or the caller exits, or someone waits for the
+fill (``Fill.wanted``), or ``OVERMIND_FILL_YIELD`` seconds passed. The price: the entry
+becomes a hit that much later, and a caller that keeps computing right after its load
+delays its fill by up to OVERMIND_FILL_YIELD.
+
+Note [Cold fills yield to their caller]
+Once started, such a fill's loader runs under SCHED_IDLE, every thread of it (a ``Fill``):
 it gets only the CPU time nobody else wants, and the caller's load runs as without
 overmind. That priority is lent back (SCHED_OTHER) as soon as someone waits for the
 fill: a load that waits (``OVERMIND_COLD=wait``, strict mode) starts at normal priority,
@@ -265,15 +274,38 @@ class Zygote:
 class Fill:
     """One cache fill's loader and its CPU priority: Note [Cold fills yield to their caller]."""
 
-    def __init__(self, key: str, background: bool) -> None:
+    def __init__(self, key: str, background: bool, caller: int = 0) -> None:
         self.key = key
         self.background = background  # nobody waits for it (yet): it may yield
+        self.caller = caller  # pid of the process whose miss started it (0: unknown)
+        self.wanted = threading.Event()  # someone waits for it: no more waiting for the caller
         self.pid = 0  # its loader, once forked
         self.idle = False  # under SCHED_IDLE now: a waiter lifts it
         self.yielded_at = 0.0
 
 
 FILL_NICE = 10  # Note [Cold fills yield to their caller]: where SCHED_IDLE could not be lifted
+CALLER_POLL = 0.1  # seconds between two looks at the caller's CPU time
+CALLER_QUIET = 2  # polls in a row under half a core: its load is over
+
+
+def _busy_seconds(pid: int) -> float | None:
+    """Seconds the threads of process ``pid`` have run or waited for a CPU (schedstat): a
+    caller starved by a busy machine still counts as busy. None once it is gone."""
+    total, found = 0, False
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                running, waiting = f.read().split()[:2]
+            total += int(running) + int(waiting)
+            found = True
+        except (OSError, ValueError):
+            continue  # that thread ended
+    return total / 1e9 if found else None
 
 
 def _can_lift_idle() -> bool:
@@ -437,13 +469,35 @@ class LoaderPool:
 
     # -- fill priority: Note [Cold fills yield to their caller] ------------------------------------
 
-    def begin_fill(self, key: str, background: bool) -> Fill:
-        """A load of ``key`` starts; ``background``: nobody waits for it. End it with ``end_fill``."""
-        fill = Fill(key, background)
+    def begin_fill(self, key: str, background: bool, caller: int = 0) -> Fill:
+        """A load of ``key`` for process ``caller`` starts; ``background``: nobody waits for it.
+        End it with ``end_fill``."""
+        fill = Fill(key, background, caller)
         with self.fill_lock:
             fill.background = background and not self.lenders.get(key)  # a waiter came first
+            if not fill.background:
+                fill.wanted.set()
             self.fills[key] = fill
         return fill
+
+    def after_caller(self, fill: Fill) -> None:
+        """Note [Cold fills wait for their caller]: return once the caller's own load looks
+        over (it ran or waited for a CPU less than half the time), it exited, someone waits
+        for the fill, or OVERMIND_FILL_YIELD seconds passed."""
+        if not fill.background or fill.caller <= 0 or self.config.fill_yield <= 0:
+            return
+        started = time.monotonic()
+        last, quiet = _busy_seconds(fill.caller), 0
+        while last is not None and quiet < CALLER_QUIET and time.monotonic() - started < self.config.fill_yield:
+            if fill.wanted.wait(CALLER_POLL):
+                break
+            now = _busy_seconds(fill.caller)
+            if now is None:
+                break
+            quiet = quiet + 1 if 0 <= now - last < CALLER_POLL / 2 else 0  # less: a busy thread ended
+            last = now
+        logger.info("fill of %s starts %.1fs after its miss (caller pid %d)", fill.key[:16],
+                    time.monotonic() - started, fill.caller)
 
     def end_fill(self, fill: Fill) -> None:
         with self.fill_lock:
@@ -523,6 +577,7 @@ class LoaderPool:
             return
         seen.add(key)
         fill.background = False
+        fill.wanted.set()
         if fill.pid:
             self._lift(fill, why)
             if fill.pid in self.waits:  # it waits for another fill in turn

@@ -426,7 +426,7 @@ class Server:
             return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {request.key}")
         if admission.started:
             # Note [Cold fills yield to their caller] in overmind.loader_pool
-            fill = self.loaders.begin_fill(request.key, background=not request.wait)
+            fill = self.loaders.begin_fill(request.key, background=not request.wait, caller=pid)
             threading.Thread(target=self._fly, args=(flight, request, blob, pid, fill), daemon=True,
                              name="overmind-load").start()
         if not (request.wait or request.lookup_only):
@@ -464,6 +464,7 @@ class Server:
 
     def _run_load(self, request: P.Load, blob: bytes, pid: int, fill: Fill) -> CacheEntry:
         context, cwd, sys_path = context_from_wire(request.context)
+        self.loaders.after_caller(fill)  # Note [Cold fills wait for their caller] in overmind.loader_pool
         started = time.monotonic()
         with self.load_slots:
             logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)

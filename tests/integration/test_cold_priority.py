@@ -37,11 +37,17 @@ def load(path):
 '''
 
 APP = '''
-import json, sys
+import json, sys, time
 import overmind.api
 overmind.api.monkey_patch_all()
 import slowlib
-print(json.dumps({"w": slowlib.load(sys.argv[1])["w"].tolist()}))
+w = slowlib.load(sys.argv[1])["w"].tolist()
+if len(sys.argv) > 2:  # keep a core busy after the load, as a load still running would
+    print("busy", flush=True)
+    started = time.monotonic()
+    while time.monotonic() - started < float(sys.argv[2]):
+        pass
+print(json.dumps({"w": w}))
 '''
 
 WAIT = 60.0
@@ -170,3 +176,19 @@ def test_a_loader_past_the_loader_timeout_is_killed_whatever_its_priority(runtim
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     finally:
         server.stop()
+
+
+def test_a_fill_nobody_waits_for_starts_once_its_caller_is_no_longer_busy(server, slowlib):
+    caller = subprocess.Popen([*_app(slowlib), "4"], env=_env(server, slowlib), stdout=subprocess.PIPE, text=True)
+    try:
+        assert caller.stdout.readline() == "busy\n"  # its plain load returned; it computes for 4 s
+        time.sleep(2.5)
+        assert not list(slowlib.glob("loader-*")), "the fill started while its caller was busy"
+        assert server.status()["loading"] == 1
+        caller.communicate(timeout=WAIT)
+    finally:
+        caller.kill()
+    pid = _loader_pid(server, slowlib)
+    assert _policies(pid) == {os.SCHED_IDLE}
+    assert f"after its miss (caller pid {caller.pid})" in server.log()
+    assert _go(server, slowlib)["entries"] == 1
