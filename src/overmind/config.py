@@ -23,9 +23,10 @@ Standard library only (the server imports it)::
 ``OVERMIND_PATCH``         extra patch points, ``module::Qualname.attr``, comma separated.
 ``OVERMIND_LOADER_TIMEOUT`` seconds before the server kills a loader (default 3600).
 ``OVERMIND_WORKERS``       loads that run at once for different keys (default 2).
-``OVERMIND_FILL_YIELD``    seconds a cache fill that no caller waits for runs at idle CPU
-                           priority, behind its caller's own plain load (default 120; ``0``:
-                           fills never yield). Note [Cold fills yield to their caller].
+``OVERMIND_FILL_YIELD``    seconds a cache fill that no caller waits for may wait for its
+                           caller's own plain load to end, then run at idle CPU priority
+                           (default 120 each; ``0``: fills start at once at normal priority).
+                           Note [Cold fills wait for their caller] in overmind.loader_pool.
 ``OVERMIND_NO_AUTOSTART``  ``1``: clients never start a server themselves.
 ``OVERMIND_PRESTART``      ``0``: ``monkey_patch_all()`` does not ask the server, in the
                            background, to get a loader ready for this process.
@@ -248,7 +249,7 @@ class Config:
     warm_max: int  # warm interpreters at once
     warm_idle: float  # seconds before an unused one is retired
     warm_memory: int  # bytes of PSS all of them together may hold
-    fill_yield: float  # seconds a cache fill nobody waits for yields the CPU; 0: never yields
+    fill_yield: float  # seconds a cache fill nobody waits for waits for its caller, then yields the CPU
 
     def __init__(self, runtime_dir: Path, **values) -> None:
         unknown = set(values) - set(self._DEFAULTS)
