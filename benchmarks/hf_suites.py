@@ -165,11 +165,11 @@ def check_requirements() -> None:
 class PrivateServer:
     """``overmind-server --foreground`` in its own runtime folder; stopped by ``stop()``."""
 
-    def __init__(self, root: Path, log_copy: Path, max_memory: Optional[str]) -> None:
+    def __init__(self, root: Path, log_copy: Path, max_memory: Optional[str], hf_home: Optional[str]) -> None:
         self.runtime = Path(tempfile.mkdtemp(prefix="rt-", dir=root))
         self.log_copy = log_copy
         self.env = {**os.environ, "OVERMIND_RUNTIME_DIR": str(self.runtime), "OVERMIND_NO_AUTOSTART": "1",
-                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **({"HF_HOME": hf_home} if hf_home else {})}
         command = [sys.executable, "-m", "overmind.server", "--foreground"]
         if max_memory:
             command += ["--max-memory", max_memory]
@@ -242,6 +242,8 @@ def run_pass(sel: Selection, root: Path, name: str, out: Path, args, server: Opt
                PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])),
                HF_SUITES_RESULTS=str(results), HF_SUITES_PATCH="1" if server else "0", HF_SUITES_AGE=str(args.age),
                PYTHONHASHSEED="0")
+    if args.hf_home:
+        env["HF_HOME"] = args.hf_home
     if server is None:
         env["OVERMIND_DISABLE"] = "1"  # plain: nothing of overmind runs, whatever the user's settings
     else:
@@ -293,7 +295,7 @@ def run_selection(sel: Selection, root: Path, args) -> None:
     if args.force or not ((out / "fill.done").exists() and (out / "hit.done").exists()):
         for stale in ("fill", "hit"):
             (out / f"{stale}.done").unlink(missing_ok=True)
-        server = PrivateServer(Path(args.out), out / "server.log", args.max_memory)
+        server = PrivateServer(Path(args.out), out / "server.log", args.max_memory, args.hf_home)
         try:
             run_pass(sel, root, "fill", out, args, server)
             run_pass(sel, root, "hit", out, args, server)
@@ -471,6 +473,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="do not rerun plain, alone, the tests that failed patched (to tell flaky ones apart)")
     parser.add_argument("--timeout", type=int, default=180, help="seconds per test (pytest-timeout)")
     parser.add_argument("--pass-timeout", type=int, default=1200, help="seconds per pytest process")
+    parser.add_argument("--hf-home", help="HF_HOME for every pass and the server: an offline Hub cache holding what "
+                        "the fast tests fetch (tiny tokenizers); default: the caller's")
     parser.add_argument("--max-memory", help="the private server's budget (default: its own)")
     parser.add_argument("--lock", default="/tmp/overmind-measure.lock", help="flock file held during each pass ('' none)")
     args = parser.parse_args(argv)
