@@ -26,7 +26,7 @@ Standard library only (the server imports it)::
 ``OVERMIND_FILL_YIELD``    seconds a cache fill that no caller waits for may wait for its
                            caller's own plain load to end, then run at idle CPU priority
                            (default 120 each; ``0``: fills start at once at normal priority).
-                           Note [Cold fills wait for their caller] in overmind.loader_pool.
+                           Note [Cold fills wait for their caller] in overmind.fill_priority.
 ``OVERMIND_NO_AUTOSTART``  ``1``: clients never start a server themselves.
 ``OVERMIND_PRESTART``      ``0``: ``monkey_patch_all()`` does not ask the server, in the
                            background, to get a loader ready for this process.

@@ -45,7 +45,8 @@ from overmind import __version__
 from overmind import protocol as P
 from overmind.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
                              write_runtime_file)
-from overmind.loader_pool import Fill, LoaderPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
+from overmind.fill_priority import Fill
+from overmind.loader_pool import LoaderPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
 from overmind.registry import CacheEntry, Flight, Registry, Reply, TooLarge
 
 logger = logging.getLogger("overmind.server")
@@ -425,15 +426,15 @@ class Server:
         if flight is None:  # lookup_only and nothing there
             return self._reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {request.key}")
         if admission.started:
-            # Note [Cold fills yield to their caller] in overmind.loader_pool
-            fill = self.loaders.begin_fill(request.key, background=not request.wait, caller=pid)
+            # Note [Cold fills yield to their caller] in overmind.fill_priority
+            fill = self.loaders.fills.begin(request.key, background=not request.wait, caller=pid)
             threading.Thread(target=self._fly, args=(flight, request, blob, pid, fill), daemon=True,
                              name="overmind-load").start()
         if not (request.wait or request.lookup_only):
             return P.send_message(conn, P.Pending(request.key, True, ""))
         # Answer at once that we are alive and loading; the entry follows (Pending.waiting).
         P.send_message(conn, P.Pending(request.key, True, "", waiting=True))
-        with self.loaders.waiting(request.key, pid):  # it lends the fill its priority
+        with self.loaders.fills.waiting(request.key, pid):  # it lends the fill its priority
             done = flight.done.wait(self.config.loader_timeout + 60)
         if not done:
             return self._reply_error(conn, P.ErrorCode.LOADER_TIMEOUT, f"gave up waiting for {request.key}")
@@ -457,14 +458,14 @@ class Server:
             logger.exception("load of %s failed inside the server", request.key)
             flight.error = P.Error(P.ErrorCode.INTERNAL, f"server error: {err}")
         finally:
-            self.loaders.end_fill(fill)
+            self.loaders.fills.end(fill)
             if flight.error is not None:
                 logger.warning("load of %s failed: %s", request.key[:16], flight.error.message[:300])
             self.registry.finish(request.key, flight, remember=remember)
 
     def _run_load(self, request: P.Load, blob: bytes, pid: int, fill: Fill) -> CacheEntry:
         context, cwd, sys_path = context_from_wire(request.context)
-        self.loaders.after_caller(fill)  # Note [Cold fills wait for their caller] in overmind.loader_pool
+        self.loaders.fills.after_caller(fill)  # Note [Cold fills wait for their caller] in overmind.fill_priority
         started = time.monotonic()
         with self.load_slots:
             logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)

@@ -38,8 +38,8 @@ forks (a Fork or Job waiting on the control socket goes first), so the next run 
 script or load of the same library imports nothing; the server keeps the list per context
 and hands it (``Warm``) to the context's next interpreter at start. A Job never waits for
 them: its child imports what its call needs at the child's own priority (Note [Cold fills
-yield to their caller] in overmind.loader_pool), and learning yields the CPU (Note [Warming
-up yields the CPU]): importing diffusers here beside a cold load's caller cost it a second.
+yield to their caller] in overmind.fill_priority), and learning yields the CPU (Note [Warming
+up yields the CPU]) instead of competing with the cold load's caller.
 
 Note [Frozen before forking]
 Everything the interpreter holds is moved to the garbage collector's permanent generation

@@ -1,0 +1,266 @@
+"""CPU priority of cache fills: a fill nobody waits for keeps out of its caller's way. Stdlib only.
+
+    fills = FillPriorities(config)             # one per server (overmind.loader_pool.LoaderPool.fills)
+    fill = fills.begin(key, background=True, caller=pid)
+    fills.after_caller(fill)                   # waits while the caller's own load runs
+    fills.forked(fill, loader_pid)             # SCHED_IDLE for every thread of the loader
+    with fills.waiting(key, waiter_pid): ...   # a waiter lends it normal priority
+    fills.end(fill)
+
+Note [Cold fills wait for their caller]
+On a miss nobody waits for (Note [Cold loads run behind the caller] in overmind.server)
+the caller loads plainly while a loader would fill the cache with the same work. Run at
+once, the fill shares the cores, the memory bandwidth and the page allocator with the
+caller: a cast to fp16 made the caller's load 2-3.5 x plain on 2 cores, and still 2 x with
+the fill at idle priority; started after the caller's load, 0.9 x. So a fill first waits
+(holding no load slot) until its caller runs or waits for a CPU less than half the time for
+``CALLER_QUIET`` polls (its load is over), or the caller exits, or someone waits for the
+fill (``Fill.wanted``), or ``OVERMIND_FILL_YIELD`` seconds passed. The price: the entry
+becomes a hit that much later, and a caller that keeps computing right after its load
+delays its fill by up to OVERMIND_FILL_YIELD.
+
+Note [Cold fills yield to their caller]
+Once started, such a fill's loader runs under SCHED_IDLE, every thread of it (a ``Fill``):
+it gets only the CPU time nobody else wants, and the caller's load runs as without
+overmind. That priority is lent back (SCHED_OTHER) as soon as someone waits for the
+fill: a load that waits (``OVERMIND_COLD=wait``, strict mode) starts at normal priority,
+one that joins later lifts it, a fill that has not started yet (queued behind
+``OVERMIND_WORKERS`` yielding fills) lifts those that hold the slots, and a waiting
+loader (a ``vae=vae`` argument) passes the lift on to the fill it waits for. A yielding
+loader that waits on another yielding fill lends nothing: neither is wanted yet. And after
+``OVERMIND_FILL_YIELD`` seconds a fill competes normally, so a machine that stays busy
+delays the cache but never starves it into the loader timeout. Only the loader child
+yields: the server, warm interpreters and runs keep their priority. Lifting SCHED_IDLE
+takes root, CAP_SYS_NICE or an RLIMIT_NICE of 20 (``LimitNICE=20`` in a systemd unit);
+without them the kernel would keep a fill idle for good, so it takes nice 10 instead,
+which it keeps: about a tenth of a contended core, never starved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import select
+import socket
+import threading
+import time
+
+from overmind.config import Config
+
+logger = logging.getLogger("overmind.server.loaders")
+
+__all__ = ["Fill", "FillPriorities", "can_lift_idle", "every_thread", "to_normal"]
+
+
+class Fill:
+    """One cache fill's loader and its CPU priority: Note [Cold fills yield to their caller]."""
+
+    def __init__(self, key: str, background: bool, caller: int = 0) -> None:
+        self.key = key
+        self.background = background  # nobody waits for it (yet): it may yield
+        self.caller = caller  # pid of the process whose miss started it (0: unknown)
+        self.wanted = threading.Event()  # someone waits for it: no more waiting for the caller
+        self.pid = 0  # its loader, once forked
+        self.idle = False  # under SCHED_IDLE now: a waiter lifts it
+        self.yielded_at = 0.0
+
+
+FILL_NICE = 10  # Note [Cold fills yield to their caller]: where SCHED_IDLE could not be lifted
+CALLER_POLL = 0.1  # seconds between two looks at the caller's CPU time
+CALLER_QUIET = 2  # polls in a row under half a core: its load is over
+
+
+def _busy_seconds(pid: int) -> float | None:
+    """Seconds the threads of process ``pid`` have run or waited for a CPU (schedstat): a
+    caller starved by a busy machine still counts as busy. None once it is gone."""
+    total, found = 0, False
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                running, waiting = f.read().split()[:2]
+            total += int(running) + int(waiting)
+            found = True
+        except (OSError, ValueError):
+            continue  # that thread ended
+    return total / 1e9 if found else None
+
+
+def can_lift_idle() -> bool:
+    """May this process take a SCHED_IDLE loader back to SCHED_OTHER? (The loader inherits our
+    RLIMIT_NICE, which is what the kernel checks for an unprivileged caller.)"""
+    try:
+        return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+    except (OSError, ValueError):
+        return False
+
+
+def every_thread(pid: int, change) -> bool:
+    """Apply ``change(tid)`` to every thread of ``pid`` (the policy is per thread; threads
+    started meanwhile inherit it from their creator, so a few passes catch them all).
+    False if the process is gone or the kernel refused."""
+    done: set = set()
+    for _ in range(4):
+        try:
+            tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")} - done
+        except (OSError, ValueError):
+            return False
+        if not tids:
+            return True
+        for tid in tids:
+            try:
+                change(tid)
+            except ProcessLookupError:
+                pass  # that thread ended
+            except OSError:
+                return False
+        done |= tids
+    return True
+
+
+def to_idle(tid: int) -> None:
+    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+
+
+def to_normal(tid: int) -> None:
+    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+
+
+def to_nice(tid: int) -> None:
+    os.setpriority(os.PRIO_PROCESS, tid, FILL_NICE)
+
+
+class FillPriorities:
+    """The fills in flight and who waits for them: Note [Cold fills yield to their caller]."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.fill_lock = threading.Lock()
+        self.fills: dict[str, Fill] = {}  # key -> the fill in flight for it
+        self.waits: dict[int, str] = {}  # pid of a loader waiting for another key's fill -> that key
+        self.lenders: dict[str, int] = {}  # key -> processes waiting for it that lend it their priority
+        self.can_lift_idle = can_lift_idle()
+
+    def begin(self, key: str, background: bool, caller: int = 0) -> Fill:
+        """A load of ``key`` for process ``caller`` starts; ``background``: nobody waits for it.
+        End it with ``end``."""
+        fill = Fill(key, background, caller)
+        with self.fill_lock:
+            fill.background = background and not self.lenders.get(key)  # a waiter came first
+            if not fill.background:
+                fill.wanted.set()
+            self.fills[key] = fill
+        return fill
+
+    def after_caller(self, fill: Fill) -> None:
+        """Note [Cold fills wait for their caller]: return once the caller's own load looks
+        over (it ran or waited for a CPU less than half the time), it exited, someone waits
+        for the fill, or OVERMIND_FILL_YIELD seconds passed."""
+        if not fill.background or fill.caller <= 0 or self.config.fill_yield <= 0:
+            return
+        started = time.monotonic()
+        last, quiet = _busy_seconds(fill.caller), 0
+        while last is not None and quiet < CALLER_QUIET and time.monotonic() - started < self.config.fill_yield:
+            if fill.wanted.wait(CALLER_POLL):
+                break
+            now = _busy_seconds(fill.caller)
+            if now is None:
+                break
+            quiet = quiet + 1 if 0 <= now - last < CALLER_POLL / 2 else 0  # less: a busy thread ended
+            last = now
+        logger.info("fill of %s starts %.1fs after its miss (caller pid %d)", fill.key[:16],
+                    time.monotonic() - started, fill.caller)
+
+    def end(self, fill: Fill) -> None:
+        with self.fill_lock:
+            if self.fills.get(fill.key) is fill:
+                del self.fills[fill.key]
+            if fill.pid:
+                self.waits.pop(fill.pid, None)
+
+    def forked(self, fill: Fill, pid: int) -> None:
+        with self.fill_lock:
+            fill.pid = pid
+            if not fill.background or self.config.fill_yield <= 0:
+                how = "normal priority" + (" (a caller waits for it)" if not fill.background else "")
+            elif self.can_lift_idle and every_thread(pid, to_idle):
+                fill.idle, fill.yielded_at = True, time.monotonic()
+                how = "idle priority (SCHED_IDLE)"
+            elif every_thread(pid, to_nice):
+                how = f"nice {FILL_NICE}"
+            else:
+                how = "normal priority (could not lower it)"
+        logger.info("loader pid %d fills %s at %s", pid, fill.key[:16], how)
+
+    def _lift(self, fill: Fill, why: str) -> None:
+        """Back to SCHED_OTHER; with fill_lock held."""
+        if not fill.idle:
+            return
+        fill.idle = False
+        if every_thread(fill.pid, to_normal):
+            logger.info("loader pid %d fills %s at normal priority now: %s", fill.pid, fill.key[:16], why)
+        else:
+            logger.warning("loader pid %d filling %s stays at idle priority (%s): the kernel refused", fill.pid,
+                           fill.key[:16], why)
+
+    def wait_answer(self, job: socket.socket, fill: Fill, deadline: float) -> None:
+        """Until the loader's answer starts arriving; lifts a fill that yielded for
+        OVERMIND_FILL_YIELD seconds. socket.timeout past ``deadline``."""
+        while True:
+            now = time.monotonic()
+            wait = deadline - now
+            if fill.idle:
+                wait = min(wait, fill.yielded_at + self.config.fill_yield - now)
+            if select.select([job], [], [], max(wait, 0.0))[0]:
+                return
+            if time.monotonic() >= deadline:
+                raise socket.timeout("loader timeout")
+            with self.fill_lock:
+                if fill.idle and time.monotonic() >= fill.yielded_at + self.config.fill_yield:
+                    self._lift(fill, f"it yielded for OVERMIND_FILL_YIELD={self.config.fill_yield:g}s")
+
+    @contextlib.contextmanager
+    def waiting(self, key: str, waiter: int):
+        """Process ``waiter`` waits for the fill of ``key`` in this block: lend it normal
+        priority, unless the waiter is itself a fill nobody waits for yet (then remember,
+        to pass a later lift on)."""
+        with self.fill_lock:
+            waiting_fill = next((f for f in self.fills.values() if waiter and f.pid == waiter), None)
+            if waiting_fill is not None:
+                self.waits[waiter] = key
+            lends = waiting_fill is None or not waiting_fill.background
+            if lends:
+                self.lenders[key] = self.lenders.get(key, 0) + 1
+                self._hurry(key, set(), f"pid {waiter} waits for it")
+        try:
+            yield
+        finally:
+            with self.fill_lock:
+                if self.waits.get(waiter) == key:
+                    del self.waits[waiter]
+                if lends:
+                    self.lenders[key] -= 1
+                    if not self.lenders[key]:
+                        del self.lenders[key]
+
+    def _hurry(self, key: str, seen: set, why: str) -> None:
+        fill = self.fills.get(key)
+        if fill is None or key in seen:
+            return
+        seen.add(key)
+        fill.background = False
+        fill.wanted.set()
+        if fill.pid:
+            self._lift(fill, why)
+            if fill.pid in self.waits:  # it waits for another fill in turn
+                self._hurry(self.waits[fill.pid], seen, f"{why}, through pid {fill.pid}")
+            return
+        # Not forked yet: queued behind the fills that hold the load slots.
+        for other in list(self.fills.values()):
+            if other.idle:
+                self._lift(other, f"{key[:16]} waits for a load slot ({why})")
