@@ -285,6 +285,21 @@ def _delta(before: Optional[dict], after: Optional[dict]) -> str:
 def run_selection(sel: Selection, root: Path, args) -> None:
     out = Path(args.out) / sel.slug
     out.mkdir(parents=True, exist_ok=True)
+    # Two harness runs sharing --out never run one selection at once (they would share its files).
+    claim = os.open(out / "selection.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(claim)
+        print(f"{sel}\n  being run by another hf_suites process; skipped", flush=True)
+        return
+    try:
+        _run_selection(sel, root, args, out)
+    finally:
+        os.close(claim)
+
+
+def _run_selection(sel: Selection, root: Path, args, out: Path) -> None:
     (out / "selection.txt").write_text(str(sel) + "\n")
     print(f"{sel}", flush=True)
     if args.force or not (out / "plain.done").exists():
