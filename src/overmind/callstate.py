@@ -176,9 +176,11 @@ def rng_state() -> dict:
     torch = sys.modules.get("torch")
     if torch is not None:
         state["torch"] = torch.get_rng_state().numpy().tobytes()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        name, keys, pos, has_gauss, gauss = numpy.random.get_state()
+    # Only a numpy.random someone imported: importing it costs ~10 ms on every first load, and
+    # one imported later starts from OS entropy, a state no other process will share.
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        name, keys, pos, has_gauss, gauss = np_random.get_state()
         state["numpy"] = (name, keys.tobytes(), int(pos), int(has_gauss), float(gauss))
     return state
 
