@@ -155,6 +155,10 @@ def _spawn_in_pty(argv, env):
 
     def take_terminal():
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        # As a terminal's shell starts a foreground job, whatever started these tests (a
+        # background job ignores SIGINT and SIGQUIT, and exec keeps an ignored signal).
+        for sig in (signal.SIGINT, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
 
     proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
                             preexec_fn=take_terminal)

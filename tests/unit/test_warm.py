@@ -202,13 +202,15 @@ def warm_run(zygote: Zygote, mode: str, target: str, *args: str, cwd: Path, env:
 def cold_run(mode: str, target: str, *args: str, cwd: Path, env: dict | None = None,
              umask: int = 0o022, ignored: tuple[int, ...] = (), **stdio) -> Ran:
     def ignore() -> None:  # what nohup or a shell's background job does before exec
+        for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):  # not what started pytest (a background job?)
+            signal.signal(sig, signal.SIG_DFL)
         for sig in ignored:
             signal.signal(sig, signal.SIG_IGN)
 
     def launch(fds):
         proc = subprocess.Popen([sys.executable, *command(mode, target, args)], cwd=cwd,
                                 env=RUN_ENV if env is None else env, umask=umask,
-                                preexec_fn=ignore if ignored else None,
+                                preexec_fn=ignore,
                                 process_group=0, stdin=fds[0], stdout=fds[1], stderr=fds[2])
         return lambda: proc.wait(timeout=60)
     return run(launch, **stdio)
