@@ -174,7 +174,7 @@ class Load(Message):
     context: dict  # python, cwd, sys_path, env: where a loader must run
     refs: list = []  # keys of entries the call refers to
     lookup_only: bool = False  # never start a loader: NOT_FOUND on a miss
-    modules: list = []  # modules the call needs, pre-imported by the zygote
+    modules: list = []  # modules the call needs, learned by the warm interpreter for later loads
     wait: bool = True  # on a miss, wait for the load; False: answer Pending at once
 
 
@@ -379,7 +379,7 @@ class Job(Message):
     key: str
     sys_path: list
     cwd: str = "/"
-    modules: list = []  # imported in the zygote first, kept for later jobs
+    modules: list = []  # the loader child imports them; the zygote learns them after the fork, for later jobs
 
 
 @message
