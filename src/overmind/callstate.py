@@ -68,14 +68,10 @@ from typing import Any, Optional
 __all__ = ["bypass_reason", "keyed_state", "apply_keyed", "rng_state", "set_rng_state", "rng_digest",
            "rng_key", "seeded", "encode_rng", "decode_rng"]
 
-# Module-level functions whose replacement means an initialisation patch is active.
-_MODULE_OWNED = {"torch.nn.modules.module": ("register_parameter", "register_buffer")}
-
-
 def _patched_init(torch: Any) -> Optional[str]:
-    module = torch.nn.Module
-    for name in _MODULE_OWNED["torch.nn.modules.module"]:
-        if getattr(getattr(module, name), "__module__", None) != "torch.nn.modules.module":
+    """An initialisation patch active around the call, or None."""
+    for name in ("register_parameter", "register_buffer"):
+        if getattr(getattr(torch.nn.Module, name), "__module__", None) != "torch.nn.modules.module":
             return f"nn.Module.{name} is replaced (accelerate's init_empty_weights?)"
     init = torch.nn.init
     for name in ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",

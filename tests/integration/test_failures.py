@@ -516,29 +516,27 @@ def load(path):
 """
 
 
-def test_a_result_the_cache_cannot_hold_is_loaded_plainly_with_one_warning(server, tmp_path):
+def _run_custom_loader(server, tmp_path: Path, name: str, source: str) -> tuple[dict, Path]:
+    """FAILING_CLIENT through ``overmind.api.load(<name>.load, data)``, ``source`` being that module."""
     modules, data = tmp_path / "modules", tmp_path / "data"
     modules.mkdir()
     data.mkdir()
-    (modules / "uncacheable_loader.py").write_text(UNCACHEABLE_MODULE)
+    (modules / f"{name}.py").write_text(source)
     _backdate(data)
-    code = FAILING_CLIENT.replace("LOAD(", "overmind.api.load(uncacheable_loader.load, ")
-    code = code.replace("def call():", "import uncacheable_loader\ndef call():")
-    out = _run_client(code, server.client_env(TEST_SYS_PATH=str(modules)), str(data))
+    code = FAILING_CLIENT.replace("LOAD(", f"overmind.api.load({name}.load, ")
+    code = code.replace("def call():", f"import {name}\ndef call():")
+    return _run_client(code, server.client_env(TEST_SYS_PATH=str(modules)), str(data)), data
+
+
+def test_a_result_the_cache_cannot_hold_is_loaded_plainly_with_one_warning(server, tmp_path):
+    out, _ = _run_custom_loader(server, tmp_path, "uncacheable_loader", UNCACHEABLE_MODULE)
     assert out["errors"] == ["NoneType", "NoneType"], out["messages"]
     # Unlike an original that raised, this is the cache's own limit: say so, once.
     assert len(out["warnings"]) == 1 and "CANNOT_CACHE" in out["warnings"][0], out["warnings"]
 
 
 def test_loader_crash_is_reported_and_the_server_survives(server, tmp_path):
-    modules, data = tmp_path / "modules", tmp_path / "data"
-    modules.mkdir()
-    data.mkdir()
-    (modules / "crashing_loader.py").write_text(CRASHING_MODULE)
-    _backdate(data)
-    code = FAILING_CLIENT.replace("LOAD(", "overmind.api.load(crashing_loader.load, ")
-    code = code.replace("def call():", "import crashing_loader\ndef call():")
-    out = _run_client(code, server.client_env(TEST_SYS_PATH=str(modules)), str(data))
+    out, data = _run_custom_loader(server, tmp_path, "crashing_loader", CRASHING_MODULE)
     expected = repr({"path": str(data), "weights": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]})
     assert out["errors"] == ["NoneType", "NoneType"], out["messages"]
     assert out["results"] == [expected, expected]
