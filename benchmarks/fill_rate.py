@@ -8,7 +8,10 @@ plainly (AutoencoderKL, two ControlNetModels, StableDiffusionControlNetPipeline(
 controlnet=[edge, depth]), fp16, the bench's ``base`` scale: 3.58 GB), reads every weight
 once (so the source is resident, as after the loader's own load), then packs the four
 results into new sealed segments as the loader does (the pipeline refers to the models it
-was given) and reports GB/s: tensor bytes written over the seconds ``pack`` took.
+was given) and reports GB/s: tensor bytes written over the seconds ``pack`` took (the entry is
+served from then on). Then it times what the loader does next, behind the served entry, where
+the setting allows: ``collapse_to_huge_pages`` of every new segment (here at normal priority),
+and the share of the bytes in huge pages after it.
 
 ``--settings``: run under each value of ``shmem_enabled`` (root; the original is put back
 afterwards, also on Ctrl-C). ``--before SRC_DIR``: also run another overmind source tree
@@ -60,8 +63,16 @@ for obj, refs in calls:
     written += packed.nbytes
     segments.append(packed)
 huge1 = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("ShmemHugePages:"))
+# What the loader does after answering (code that has it): rebuild the segments out of huge pages.
+t = time.perf_counter()
+collapsed = sum(s.collapse_to_huge_pages() for p in segments for s in p.segments
+                if s is not None and hasattr(s, "collapse_to_huge_pages"))
+collapse_seconds = time.perf_counter() - t
+huge2 = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("ShmemHugePages:"))
 print(json.dumps({"bytes": written, "seconds": seconds, "gb_per_s": written / seconds / 1e9,
                   "huge_fraction": (huge1 - huge0) * 1024 / written, "memfd": M.__file__,
+                  "collapse_seconds": collapse_seconds, "collapsed_bytes": collapsed,
+                  "huge_fraction_after_collapse": (huge2 - huge0) * 1024 / written,
                   "segment_bytes": sum(s.size for p in segments for s in p.segments if s is not None)}))
 """
 
@@ -101,13 +112,17 @@ def main() -> None:
                     out = json.loads(proc.stdout.strip().splitlines()[-1])
                     results[f"{code} {setting}"].append(out)
                     print(f"run {run + 1} {code} {setting}: {out['gb_per_s']:.2f} GB/s, "
-                          f"{out['huge_fraction']:.2f} in huge pages ({out['memfd']})", file=sys.stderr, flush=True)
+                          f"{out['huge_fraction']:.2f} in huge pages; then collapse "
+                          f"{out['collapse_seconds']:.2f} s, {out['huge_fraction_after_collapse']:.2f} in huge pages "
+                          f"({out['memfd']})", file=sys.stderr, flush=True)
     finally:
         if current_setting() != original:
             SHMEM_ENABLED.write_text(original)
     summary = {k: {"gb_per_s_median": statistics.median(r["gb_per_s"] for r in v),
                    "gb_per_s": [round(r["gb_per_s"], 3) for r in v],
                    "huge_fraction": statistics.median(r["huge_fraction"] for r in v),
+                   "collapse_seconds_median": statistics.median(r["collapse_seconds"] for r in v),
+                   "huge_fraction_after_collapse": statistics.median(r["huge_fraction_after_collapse"] for r in v),
                    "bytes": v[0]["bytes"], "segment_bytes": v[0]["segment_bytes"]} for k, v in results.items() if v}
     print(json.dumps({"original_setting": original, "results": summary}, indent=2))
 

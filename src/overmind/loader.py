@@ -172,7 +172,6 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         P.send_message(job_sock, P.JobResult(job.key, sizes, slots, len(packed.segments) + len(store.fds),
                                              packed.nbytes, store.holders, meta),
                        packed.skeleton, fds=fds)
-        return 0
     except BaseException as err:  # reported to the client as a typed error with this traceback
         try:
             P.send_message(job_sock, P.JobFailed(job.key, code,
@@ -180,3 +179,22 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         except OSError:
             pass
         return 1
+    try:
+        _collapse_behind([seg for seg in packed.segments if seg is not None])
+    except Exception:  # the entry is served already; small pages are only slower
+        logger.exception("rebuilding segments out of huge pages failed")
+    return 0
+
+
+def _collapse_behind(segments: list) -> None:
+    """After the answer: rebuild the new segments out of huge pages, at idle priority, while
+    the entry is already served (Note [Huge pages for segments] in overmind.memfd). The
+    server counts this loader as settling until it exits (EOF on ``job_sock``)."""
+    if not any(seg.huge for seg in segments):
+        return
+    from overmind.fill_priority import every_thread, to_idle
+
+    every_thread(os.getpid(), to_idle)
+    started, asked = time.monotonic(), sum(seg.size for seg in segments)
+    done = sum(seg.collapse_to_huge_pages() for seg in segments)
+    logger.debug("huge pages for %d of %d bytes in %.2f s", done, asked, time.monotonic() - started)

@@ -252,6 +252,7 @@ class LoaderPool:
         self.learned: dict[str, list] = {}  # context key -> installed modules its runs and loads imported
         self.refused: dict[str, set] = {}  # context key -> modules that started a thread when imported
         self.retired = 0
+        self.settling = 0  # loaders that answered and still rebuild their segments (see _settle)
 
     def _modules_for(self, context: Context) -> list:
         return list(self.learned.get(context.key, ()))
@@ -327,7 +328,8 @@ class LoaderPool:
                                       f"could not start a loader with {context.python}: {err}; "
                                       f"see {self.config.log_path}") from None
         self.fills.forked(fill, pid)
-        with job:
+        answered = False
+        try:
             deadline = time.monotonic() + self.config.loader_timeout
             try:
                 self.fills.wait_answer(job, fill, deadline)
@@ -343,6 +345,12 @@ class LoaderPool:
                 raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
                                   f"loader pid {pid} died before answering ({err}); a crash or a kill "
                                   f"(out of memory?); see {self.config.log_path}") from None
+            if isinstance(message, P.JobResult):
+                answered = True
+                self._settle(job, pid)
+        finally:
+            if not answered:
+                job.close()
         if isinstance(message, P.JobFailed):
             P.close_fds(fds)
             raise LoadFailure(message.code, message.message, message.traceback)
@@ -351,6 +359,27 @@ class LoaderPool:
             P.close_fds(fds)
             raise LoadFailure(P.ErrorCode.INTERNAL, f"malformed answer from loader pid {pid}")
         return message, skeleton, fds
+
+    def _settle(self, job: socket.socket, pid: int) -> None:
+        """A loader that answered may still rebuild its segments out of huge pages (Note [Huge
+        pages for segments] in overmind.memfd); it is ``settling`` in the status until it exits
+        (EOF on its job socket), so a benchmark can wait for the machine to be quiet."""
+        with self.lock:
+            self.settling += 1
+
+        def wait_for_exit() -> None:
+            try:
+                job.settimeout(self.config.loader_timeout)
+                while job.recv(4096):
+                    pass  # a loader sends nothing more; whatever comes is dropped
+            except OSError:
+                pass
+            finally:
+                job.close()
+                with self.lock:
+                    self.settling -= 1
+
+        threading.Thread(target=wait_for_exit, daemon=True, name=f"overmind-settle-{pid}").start()
 
     def fork_run(self, context: Context, spec: dict, fds: list[int]) -> int:
         """Fork a run from the context's ready interpreter; its pid, or RunRefused (and one is

@@ -31,19 +31,19 @@ Note [Huge pages for segments]
 A warm load's first pass over the weights is page faults: one per 4 KiB of a
 ``MAP_PRIVATE`` mapping. Where the segment's file pages are 2 MiB huge pages and the
 mapping is 2 MiB aligned in both file offset and address, the kernel maps them one PMD
-per 2 MiB: reading every page of 1 GiB then takes ~6 ms here instead of ~75 ms. So:
+per 2 MiB: reading every page of 1 GiB then takes ~6 ms here instead of ~75 ms. So,
+where ``shmem_enabled`` may give huge pages (``advise``, ``within_size``, ``always``,
+``force``; :func:`huge_pages_possible`):
 
-- Filling: with ``shmem_enabled`` at ``advise`` (or ``within_size``, ``always``,
-  ``force``), a ``write(2)`` into a memfd allocates small pages (``advise`` needs a
-  ``MADV_HUGEPAGE`` mapping, and a write has none). The segment is then filled
-  through a writable ``MAP_SHARED`` mapping asked for huge pages, grown as the
-  segment grows and unmapped before sealing (a writable shared mapping forbids
-  ``F_SEAL_WRITE``). Every write goes through it: one small page written by
-  ``pwrite`` inside a 2 MiB range stops that range from ever being a huge page. With
-  ``never``/``deny`` the fill stays ``pwrite`` (Note [Filling by pwrite]).
-  :func:`fill_method` decides, per segment, from the setting at creation.
-- Sizes: a segment filled that way is sized to a whole number of 2 MiB, so its last
-  huge page is not split by the final ``ftruncate`` and maps as one PMD.
+- Filling stays ``pwrite`` (Note [Filling by pwrite]), which allocates small pages, and
+  the entry is published as soon as it is sealed. Then the loader, at idle priority,
+  asks the kernel to rebuild the sealed file out of huge pages: ``MADV_COLLAPSE`` over a
+  read-only shared mapping (:meth:`Segment.collapse_to_huge_pages`). The kernel copies
+  each 2 MiB into a new huge page and swaps it into the file's page cache: same bytes,
+  same inode, same seals; mappings that already faulted the small pages refault the huge
+  one. ``MADV_COLLAPSE`` obeys ``never``/``deny`` (EINVAL), so nothing changes there.
+- Sizes: such a segment is sealed at a whole number of 2 MiB, so its last 2 MiB can be
+  a huge page too (a huge page must lie inside the file).
 - Mapping: every ``map_private`` asks ``madvise(MADV_HUGEPAGE)`` (harmless where the
   kernel gives none). The kernel places shmem mappings on 2 MiB boundaries itself
   whenever the setting may give huge pages (``shmem_get_unmapped_area``), so no
@@ -55,15 +55,15 @@ per 2 MiB: reading every page of 1 GiB then takes ~6 ms here instead of ~75 ms. 
 Storages of 2 MiB or more start on 2 MiB offsets where that costs little (Note [Large
 storages on huge pages] in ``overmind.reductions``).
 
-What it costs (``benchmarks/fill_rate.py``: pack of overmind-bench's ``controlnet``
-workload, 3.58 GB, fresh processes): under ``never`` the fill is ``pwrite``, 1.6 GB/s
-as before. Under ``advise`` the huge-page fill ran at 0.31 GB/s against 1.9 GB/s for
-``pwrite`` (which gets no huge pages there) on this machine, a Firecracker guest that
-hands free memory back to its host: each fresh 2 MiB page costs ~3 ms of first touch
-by the hypervisor, while a huge page just freed by another fill refills at 12 GB/s
-(``benchmarks/segment_fill.py``). The fill runs once per model, behind the caller;
-every warm load's first use gains (0.62 s -> 0.08 s there, ``overmind-bench
---shmem-enabled never,advise``), so under ``advise`` huge pages win.
+Why collapse after the fill rather than fill huge pages directly (a writable
+``MAP_SHARED`` ``MADV_HUGEPAGE`` mapping, unmapped before sealing: tried, issue 11):
+``benchmarks/fill_rate.py``, the pack of overmind-bench's ``controlnet`` workload
+(3.58 GB), filled 1.9 GB/s by ``pwrite`` and 0.31 GB/s through a huge-page mapping
+under ``advise`` on this machine, a guest that reports free 2 MiB blocks back to its
+host (``page_reporting``), so each fresh huge page costs ~3-6 ms of first touch by the
+hypervisor. Collapsing afterwards pays that too (~0.3-1.2 GB/s), but behind a
+published entry and at idle priority, so the cold load fills at the ``pwrite`` rate
+and warm loads get huge pages once it is done.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ import os
 import stat
 from typing import Optional
 
-__all__ = ["Segment", "SEAL_ALL", "ALIGNMENT", "HUGE_PAGE", "align_up", "buffer_at", "fill_method",
+__all__ = ["Segment", "SEAL_ALL", "ALIGNMENT", "HUGE_PAGE", "align_up", "buffer_at", "huge_pages_possible",
            "shmem_huge_setting"]
 
 SEAL_ALL = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -86,13 +86,12 @@ ALIGNMENT = mmap.PAGESIZE
 HUGE_PAGE = 2 << 20
 # Linux caps one write(2) at 0x7ffff000 bytes.
 _MAX_WRITE = 1 << 30
-# A fill mapping grows at least this much at a time (file holes cost no memory).
-_FILL_GROWTH = 64 << 20
 _SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 # Settings under which a MADV_HUGEPAGE mapping of a memfd gets huge pages.
 _HUGE_SETTINGS = ("always", "within_size", "advise", "force")
-# ctypes.memmove releases the GIL, so the pickler keeps running while a fill thread copies.
-_memmove = ctypes.memmove
+# madvise(2) advice that rebuilds a range out of huge pages (Linux 6.1); Python names it only
+# where its headers did.
+MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
 
 
 def align_up(value: int, alignment: int = ALIGNMENT) -> int:
@@ -117,10 +116,9 @@ def shmem_huge_setting() -> Optional[str]:
     return text[start + 1:end] if 0 <= start < end else None
 
 
-def fill_method() -> str:
-    """``"mapping"`` where the kernel may back a memfd with huge pages, else ``"pwrite"``:
-    Note [Huge pages for segments]."""
-    return "mapping" if shmem_huge_setting() in _HUGE_SETTINGS else "pwrite"
+def huge_pages_possible() -> bool:
+    """May the kernel back a memfd with huge pages (Note [Huge pages for segments])?"""
+    return shmem_huge_setting() in _HUGE_SETTINGS
 
 
 def _advise_huge(mapping: mmap.mmap) -> None:
@@ -140,34 +138,25 @@ class Segment:
     class Mismatch(ValueError):
         """The fd is not the segment it was named as (another inode): DESIGN invariant 7."""
 
-    def __init__(self, fd: int, size: int, name: str = "overmind", fill: str = "pwrite") -> None:
+    def __init__(self, fd: int, size: int, name: str = "overmind", huge: bool = False) -> None:
         if fd < 0:
             raise ValueError(f"invalid file descriptor {fd} for segment {name!r}")
         if size < 0:
             raise ValueError(f"segment size must be >= 0, got {size}")
-        if fill not in ("pwrite", "mapping"):
-            raise ValueError(f"fill must be 'pwrite' or 'mapping', got {fill!r}")
         self.fd = fd
         self.size = size
         self.name = name
-        self.fill = fill
-        # While filling by "mapping": a writable MAP_SHARED mapping of the file's first
-        # len(_window) bytes (the file is that long), owned here, closed by seal()/close().
-        self._window: Optional[mmap.mmap] = None
-        self._window_address = 0
-        self._filling = fill == "mapping"  # until sealed; then writes take pwrite, which the kernel refuses
+        # Made where the kernel may give huge pages: sealed at whole 2 MiB and collapsed
+        # after publishing (Note [Huge pages for segments]).
+        self.huge = huge
 
     # -- creation (loader side) -------------------------------------------------
 
     @classmethod
-    def create(cls, name: str, size: int, fill: Optional[str] = None) -> "Segment":
-        """A new unsealed memfd of ``size`` bytes. ``fill``: how :meth:`write_at` writes,
-        ``"pwrite"`` or ``"mapping"``; default :func:`fill_method` (Note [Huge pages for segments])."""
-        fill = fill or fill_method()
+    def create(cls, name: str, size: int) -> "Segment":
+        """A new unsealed memfd of ``size`` bytes."""
         if not isinstance(size, int) or size < 0:
             raise ValueError(f"segment size must be a non-negative int, got {size!r}")
-        if fill not in ("pwrite", "mapping"):
-            raise ValueError(f"fill must be 'pwrite' or 'mapping', got {fill!r}")
         try:
             fd = os.memfd_create(f"overmind:{name}"[:249], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as err:
@@ -177,18 +166,15 @@ class Segment:
         except OSError as err:
             os.close(fd)
             raise _oserror(err, f"ftruncate to {size} bytes", name, "The machine may be out of memory; evict entries or lower the budget.") from None
-        return cls(fd, size, name, fill)
+        return cls(fd, size, name, huge_pages_possible())
 
     def write_at(self, offset: int, data) -> None:
-        """Copy ``data`` (any contiguous buffer) into the segment at ``offset``."""
+        """Copy ``data`` (any contiguous buffer) into the segment at ``offset`` (Note [Filling by pwrite])."""
         view = memoryview(data).cast("B")
         if offset < 0 or offset + view.nbytes > self.size:
             raise ValueError(
                 f"write of {view.nbytes} bytes at offset {offset} is outside segment {self.name!r} of {self.size} bytes"
             )
-        if self._filling:
-            self._copy_through_window(offset, view)
-            return
         done = 0
         while done < view.nbytes:
             chunk = view[done : done + _MAX_WRITE]
@@ -201,59 +187,54 @@ class Segment:
                 raise OSError(errno.EIO, f"short write into segment {self.name!r} at offset {offset + done}")
             done += n
 
-    def _copy_through_window(self, offset: int, view: memoryview) -> None:
-        """Copy through the huge-page fill mapping, growing it (and the file) first if needed."""
-        end = offset + view.nbytes
-        if self._window is None or len(self._window) < end:
-            self._grow_window(end)
-        if view.nbytes:
-            source = ctypes.c_char.from_buffer(view) if not view.readonly else None
-            if source is not None:
-                _memmove(self._window_address + offset, ctypes.addressof(source), view.nbytes)
-                del source
-            else:
-                self._window[offset:end] = view
-
-    def _grow_window(self, end: int) -> None:
-        old = len(self._window) if self._window else 0
-        length = align_up(max(end, 2 * old, _FILL_GROWTH), HUGE_PAGE)
-        self._close_window()
-        try:
-            if os.fstat(self.fd).st_size < length:
-                os.ftruncate(self.fd, length)
-            window = mmap.mmap(self.fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as err:
-            hint = "The segment is sealed; create a new one." if err.errno == errno.EPERM else "The machine may be out of memory."
-            raise _oserror(err, f"mapping {length} bytes to fill", self.name, hint) from None
-        _advise_huge(window)
-        self._window = window
-        self._window_address = ctypes.addressof(ctypes.c_char.from_buffer(window))
-
-    def _close_window(self) -> None:
-        if self._window:
-            self._window.close()
-        self._window = None
-        self._window_address = 0
-
     def finish(self, size: int) -> None:
         """End filling: give the file its final ``size`` (rounded up to whole huge pages where
-        filled by mapping: Note [Huge pages for segments]) and seal it."""
-        if self.fill == "mapping" and size >= HUGE_PAGE:
+        they are possible: Note [Huge pages for segments]) and seal it."""
+        if self.huge and size >= HUGE_PAGE:
             size = align_up(size, HUGE_PAGE)
         self.size = size
         self.seal()
 
     def seal(self) -> None:
-        """Seal at ``size`` bytes: the file is cut (or grown) to it first, as a fill mapping
-        may have grown it."""
-        self._close_window()
-        self._filling = False
+        """Seal at ``size`` bytes: the file is cut (or grown) to it first, as writes may have
+        grown it."""
         try:
             if os.fstat(self.fd).st_size != self.size:
                 os.ftruncate(self.fd, self.size)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEAL_ALL)
         except OSError as err:
             raise _oserror(err, "sealing (F_ADD_SEALS)", self.name, "Was the segment created with MFD_ALLOW_SEALING and is no writable MAP_SHARED mapping alive?") from None
+
+    def collapse_to_huge_pages(self) -> int:
+        """Rebuild the sealed segment's pages as huge pages, where the kernel allows
+        (Note [Huge pages for segments]). Slow (it copies, and fresh huge pages may be slow to
+        touch): run it off the load's path. Returns the bytes rebuilt: 0 where the setting
+        gives no huge pages or the kernel predates ``MADV_COLLAPSE`` (6.1)."""
+        whole = self.size // HUGE_PAGE * HUGE_PAGE
+        if whole == 0 or not huge_pages_possible():
+            return 0
+        try:
+            mapping = mmap.mmap(self.fd, whole, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except OSError:
+            return 0
+        done = 0
+        try:
+            # One huge page per call: the kernel reports one error for a whole range, and a
+            # range that is all hole (storage padding) is refused with EINVAL on its own.
+            for start in range(0, whole, HUGE_PAGE):
+                for attempt in (1, 2):
+                    try:
+                        mapping.madvise(MADV_COLLAPSE, start, HUGE_PAGE)
+                        done += HUGE_PAGE
+                        break
+                    except OSError as err:
+                        if err.errno == errno.ENOMEM:
+                            return done  # no huge page to be had: the small pages stay
+                        if err.errno != errno.EAGAIN or attempt == 2:
+                            break  # a hole, or still busy: that range stays small pages
+        finally:
+            mapping.close()
+        return done
 
     def seals(self) -> int:
         return fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
@@ -326,7 +307,6 @@ class Segment:
         return mapping
 
     def close(self) -> None:
-        self._close_window()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -382,6 +382,7 @@ class Server:
                 "torch_imported": "torch" in sys.modules}
         info["bytes"] = info["used"] = self.registry.used()
         info["loaders"] = self.loaders.describe()
+        info["settling"] = self.loaders.settling  # Note [Huge pages for segments] in overmind.memfd
         return info
 
     # -- loads ---------------------------------------------------------------------

@@ -56,11 +56,12 @@ class ServerProcess:
             return conn.simple(P.Status(), P.StatusReply).info
 
     def wait_idle(self, timeout: float = 180.0) -> dict:
-        """Wait until no load is in flight (cold loads finish behind the caller)."""
+        """Wait until no load is in flight (cold loads finish behind the caller) and no loader
+        still rebuilds its segments out of huge pages."""
         deadline = time.monotonic() + timeout
         while True:
             status = self.status()
-            if status["loading"] == 0 or time.monotonic() > deadline:
+            if (status["loading"] == 0 and status["settling"] == 0) or time.monotonic() > deadline:
                 return status
             time.sleep(0.1)
 

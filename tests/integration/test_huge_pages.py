@@ -60,12 +60,16 @@ def pattern(nbytes: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(nbytes)
 
 
-def filled(chunks: list[tuple[int, bytes]], fill: str = "mapping") -> Segment:
-    seg = Segment.create("huge-test", 0, fill=fill)
+def filled(chunks: list[tuple[int, bytes]]) -> Segment:
+    """Filled, sealed and collapsed into huge pages as the loader does (forced to be made as
+    where huge pages are possible, so the layout is the same under every setting)."""
+    seg = Segment.create("huge-test", 0)
+    seg.huge = True
     for offset, data in chunks:
         seg.size = max(seg.size, offset + len(data))
         seg.write_at(offset, data)
     seg.finish(seg.size)
+    seg.collapsed = seg.collapse_to_huge_pages()
     return seg
 
 
@@ -75,14 +79,16 @@ def read_every_page(mapping: mmap.mmap) -> int:
 
 @pytest.fixture
 def big_segment():
-    """Two runs of bytes with a hole between them, past the first growth of the fill mapping."""
+    """Two runs of bytes with a hole of zeros between them."""
     first, second = pattern(6 * MiB + 123, 1), pattern(5 * MiB, 2)
     seg = filled([(0, first), (70 * MiB, second)])
+    # Every 2 MiB that holds bytes (0-8 MiB, 70-76 MiB); the hole between stays a hole.
+    assert seg.collapsed == (14 * MiB if HUGE else 0)
     yield seg, {0: first, 70 * MiB: second}
     seg.close()
 
 
-def test_a_segment_filled_through_its_mapping_holds_its_bytes_and_is_sealed_at_whole_huge_pages(big_segment):
+def test_a_collapsed_segment_holds_its_bytes_and_is_sealed_at_whole_huge_pages(big_segment):
     seg, written = big_segment
     assert seg.size == 76 * MiB  # 75 MiB written, rounded up to a whole huge page
     assert os.fstat(seg.fd).st_size == seg.size
@@ -96,7 +102,7 @@ def test_a_segment_filled_through_its_mapping_holds_its_bytes_and_is_sealed_at_w
         m.close()
 
 
-def test_a_segment_filled_through_its_mapping_still_refuses_writes_truncation_and_shared_writable_maps(
+def test_a_collapsed_segment_still_refuses_writes_truncation_and_shared_writable_maps(
         big_segment):
     seg, _ = big_segment
     with pytest.raises(OSError) as err:

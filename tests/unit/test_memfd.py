@@ -144,25 +144,54 @@ def test_mapping_an_empty_segment_is_refused():
     seg.close()
 
 
-def test_a_segment_filled_through_a_mapping_is_cut_back_to_its_size_when_sealed():
-    """The fill mapping grows the file ahead of the writes (Note [Huge pages for segments]);
-    sealing gives it back the size it was created with."""
-    seg = Segment.create("mapped", 3 * mmap.PAGESIZE, fill="mapping")
+def test_a_segment_made_where_huge_pages_are_possible_is_sealed_at_whole_huge_pages(monkeypatch):
+    """Note [Huge pages for segments]: its last 2 MiB can then be a huge page too. Forced here,
+    whatever this machine's setting; the bytes past the written end read as zeros."""
+    from overmind import memfd
+
+    monkeypatch.setattr(memfd, "huge_pages_possible", lambda: True)
+    seg = Segment.create("huge", 0)
     try:
-        seg.write_at(mmap.PAGESIZE, b"world")
-        assert os.fstat(seg.fd).st_size > seg.size  # grown by the mapping
-        seg.seal()
-        assert os.fstat(seg.fd).st_size == 3 * mmap.PAGESIZE and seg.sealed
+        seg.size = memfd.HUGE_PAGE + 5
+        seg.write_at(memfd.HUGE_PAGE, b"world")
+        seg.finish(memfd.HUGE_PAGE + 5)
+        assert seg.size == os.fstat(seg.fd).st_size == 2 * memfd.HUGE_PAGE and seg.sealed
         m = seg.map_private()
-        assert m[mmap.PAGESIZE:mmap.PAGESIZE + 5] == b"world" and m[:5] == bytes(5)
+        assert m[memfd.HUGE_PAGE:memfd.HUGE_PAGE + 7] == b"world\0\0" and m[-1] == 0
         m.close()
+    finally:
+        seg.close()
+
+
+def test_a_small_segment_is_not_rounded_and_collapsing_it_asks_nothing(monkeypatch):
+    from overmind import memfd
+
+    monkeypatch.setattr(memfd, "huge_pages_possible", lambda: True)
+    seg = Segment.create("small", 3 * mmap.PAGESIZE)
+    try:
+        seg.write_at(0, b"x")
+        seg.finish(3 * mmap.PAGESIZE)
+        assert seg.size == 3 * mmap.PAGESIZE and seg.collapse_to_huge_pages() == 0
+    finally:
+        seg.close()
+
+
+def test_collapsing_a_sealed_segment_keeps_its_bytes_and_seals_and_does_nothing_under_never():
+    """MADV_COLLAPSE swaps pages under a sealed file; where the setting is ``never`` the kernel
+    refuses it (EINVAL) and the segment is as it was."""
+    from overmind import memfd
+
+    data = os.urandom(memfd.HUGE_PAGE) * 3
+    seg = Segment.create("collapse", len(data))
+    try:
+        seg.write_at(0, data)
+        seg.seal()
+        done = seg.collapse_to_huge_pages()
+        if memfd.shmem_huge_setting() in ("never", "deny"):
+            assert done == 0
+        assert seg.sealed and os.pread(seg.fd, len(data), 0) == data
         with pytest.raises(OSError) as err:
             seg.write_at(0, b"x")
         assert err.value.errno == errno.EPERM
     finally:
         seg.close()
-
-
-def test_an_unknown_fill_method_is_refused():
-    with pytest.raises(ValueError, match="fill must be"):
-        Segment.create("bad-fill", 4096, fill="splice")

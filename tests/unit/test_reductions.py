@@ -368,22 +368,23 @@ def test_large_storages_start_on_huge_page_offsets_where_cheap_and_small_ones_fi
     seg = packed.segments[0]
     end = starts[6] + LAYOUT_SIZES[6]
     assert end == 51 * MiB + MiB // 2  # nothing but the one page-aligned storage after the last large one
-    assert seg.size == (52 * MiB if seg.fill == "mapping" else end)
+    assert seg.size == (52 * MiB if seg.huge else end)
     again, _ = rebuild(packed)
     assert all(torch.equal(a, b) for a, b in zip(again, tensors))
 
 
-def test_a_model_filled_through_huge_page_mappings_round_trips_into_whole_huge_pages(monkeypatch):
-    """Note [Huge pages for segments]: where the setting allows huge pages, pack fills through
-    MAP_SHARED mappings; forced here so that the path runs whatever this machine's setting."""
+def test_a_model_packed_where_huge_pages_are_possible_round_trips_in_whole_huge_pages(monkeypatch):
+    """Note [Huge pages for segments]: where the setting allows huge pages, segments are sealed
+    at whole 2 MiB and collapsed; forced here so that the path runs whatever this machine's setting."""
     from overmind import memfd
     from overmind.memfd import HUGE_PAGE, SEAL_ALL
 
-    monkeypatch.setattr(memfd, "fill_method", lambda: "mapping")
+    monkeypatch.setattr(memfd, "huge_pages_possible", lambda: True)
     tensors = [torch.randn(n // 4) for n in (4096, 40 * MiB, 8 * MiB + 4, 1000 * 4, 30 * MiB)]
     packed = pack(tensors, writers=2)
     for seg in packed.segments:
-        assert seg.fill == "mapping" and seg.seals() & SEAL_ALL == SEAL_ALL
+        assert seg.huge and seg.seals() & SEAL_ALL == SEAL_ALL
+        seg.collapse_to_huge_pages()  # refused under never; either way the bytes stay
         assert seg.size % HUGE_PAGE == 0 and os.fstat(seg.fd).st_size == seg.size
     again, mappings = rebuild(packed)
     assert all(torch.equal(a, b) for a, b in zip(again, tensors))

@@ -193,11 +193,13 @@ class BenchServer:
 
     def wait_idle(self, timeout: float = JOB_TIMEOUT) -> dict:
         """Cold loads finish behind the caller (Note [Cold loads run behind the caller] in
-        overmind.server): the next run must not share the machine with a cache fill."""
+        overmind.server): the next run must not share the machine with a cache fill, nor with
+        a loader still rebuilding its segments out of huge pages (Note [Huge pages for segments]
+        in overmind.memfd), and a warm load measures the segments as they stay."""
         deadline = time.monotonic() + timeout
         while True:
             status = self.status()
-            if status.get("loading", 0) == 0:
+            if status.get("loading", 0) == 0 and status.get("settling", 0) == 0:
                 return status
             if time.monotonic() > deadline:
                 raise BenchError(f"the server is still loading after {timeout:.0f} s: {status}")
