@@ -110,7 +110,9 @@ class Selection:
 
     @property
     def slug(self) -> str:
-        name = re.sub(r"[^A-Za-z0-9]+", "_", f"{self.library}_{Path(self.path).stem}").strip("_")
+        # The folders too: kandinsky/test_kandinsky.py and kandinsky2_2/test_kandinsky.py are two files.
+        inside = Path(self.path).with_suffix("").parts[1:]  # without the leading "tests"
+        name = re.sub(r"[^A-Za-z0-9]+", "_", "_".join([self.library, *inside])).strip("_")
         if self.pytest_args:
             name += "_" + hashlib.sha1(" ".join(self.pytest_args).encode()).hexdigest()[:8]
         return name

@@ -8,9 +8,10 @@ Standard library only (``overmind status`` reads it without the server or torch)
     hp.as_dict()                    # what `overmind status --json` prints as "huge_pages"
 
 Segments are memfds, i.e. shmem, so what decides is ``shmem_enabled``, not the
-``enabled`` file anonymous memory follows. The loader's fill and every client mapping
-ask for huge pages (``MADV_HUGEPAGE``, :mod:`overmind.memfd`); the kernel grants them
-when the setting is one of :data:`ALLOWING`. Only root can change it, and it resets on
+``enabled`` file anonymous memory follows. The loader rebuilds every segment it filled
+out of huge pages (``MADV_COLLAPSE``) and every client mapping asks for them
+(``MADV_HUGEPAGE``; Note [Huge pages for segments] in :mod:`overmind.memfd`); the kernel
+grants them when the setting is one of :data:`ALLOWING`. Only root can change it, and it resets on
 reboot: README "Huge pages" gives the command, a systemd ``tmpfiles.d`` line and a
 Kubernetes DaemonSet (``deploy/``).
 
