@@ -76,8 +76,9 @@ import os
 import stat
 from typing import Optional
 
-__all__ = ["Segment", "SEAL_ALL", "ALIGNMENT", "HUGE_PAGE", "align_up", "buffer_at", "huge_pages_possible",
-           "shmem_huge_setting"]
+from overmind.hugepages import ALLOWING, read_setting
+
+__all__ = ["Segment", "SEAL_ALL", "ALIGNMENT", "HUGE_PAGE", "align_up", "buffer_at", "huge_pages_possible"]
 
 SEAL_ALL = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # Storage offsets are page aligned so every tensor starts where the kernel maps a page.
@@ -86,9 +87,6 @@ ALIGNMENT = mmap.PAGESIZE
 HUGE_PAGE = 2 << 20
 # Linux caps one write(2) at 0x7ffff000 bytes.
 _MAX_WRITE = 1 << 30
-_SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
-# Settings under which a MADV_HUGEPAGE mapping of a memfd gets huge pages.
-_HUGE_SETTINGS = ("always", "within_size", "advise", "force")
 # madvise(2) advice that rebuilds a range out of huge pages (Linux 6.1); Python names it only
 # where its headers did.
 MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
@@ -105,20 +103,10 @@ def buffer_at(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
-def shmem_huge_setting() -> Optional[str]:
-    """The selected value of ``shmem_enabled`` (``never``, ``advise``, ...), None where unreadable."""
-    try:
-        with open(_SHMEM_ENABLED) as f:
-            text = f.read()
-    except OSError:
-        return None
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
-
-
 def huge_pages_possible() -> bool:
-    """May the kernel back a memfd with huge pages (Note [Huge pages for segments])?"""
-    return shmem_huge_setting() in _HUGE_SETTINGS
+    """May the kernel back a memfd with huge pages (Note [Huge pages for segments])? The
+    setting is read and judged where ``overmind status`` reads it (:mod:`overmind.hugepages`)."""
+    return read_setting() in ALLOWING
 
 
 def _advise_huge(mapping: mmap.mmap) -> None:

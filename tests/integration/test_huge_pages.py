@@ -20,11 +20,12 @@ import textwrap
 
 import pytest
 
-from overmind.memfd import HUGE_PAGE, SEAL_ALL, Segment, shmem_huge_setting
+from overmind.hugepages import read_setting
+from overmind.memfd import HUGE_PAGE, SEAL_ALL, Segment, huge_pages_possible
 
 from .conftest import last_json
 
-HUGE = shmem_huge_setting() in ("always", "within_size", "advise", "force")
+HUGE = huge_pages_possible()
 MiB = 1 << 20
 
 
@@ -133,7 +134,7 @@ def test_every_private_mapping_asks_for_huge_pages_and_is_pmd_mapped_where_the_k
         info = smaps_of(address)
         assert "hg" in info["VmFlags"]  # madvise(MADV_HUGEPAGE) was asked, whatever the setting
         if not HUGE:
-            pytest.skip(f"shmem_enabled is {shmem_huge_setting()!r}: no huge pages to check here")
+            pytest.skip(f"shmem_enabled is {read_setting()!r}: no huge pages to check here")
         assert address % HUGE_PAGE == 0
         assert info["ShmemPmdMapped"] * 1024 >= 10 * MiB, info  # both runs of bytes, in whole huge pages
     finally:
@@ -235,6 +236,6 @@ def test_a_warm_load_through_the_server_is_private_and_uses_huge_pages_where_all
     assert later["first"] == edited["first"] and later["total"] == edited["total"]
     assert edited["nbytes"] >= 2 * HUGE_PAGE
     if not HUGE:
-        pytest.skip(f"shmem_enabled is {shmem_huge_setting()!r}: no huge pages to check here")
+        pytest.skip(f"shmem_enabled is {read_setting()!r}: no huge pages to check here")
     assert later["pmd_kb"] * 1024 >= edited["nbytes"], later
     assert later["misalignment"] < 64, later  # Note [Large storages on huge pages]
