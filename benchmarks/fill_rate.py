@@ -16,7 +16,8 @@ and the share of the bytes in huge pages after it.
 ``--settings``: run under each value of ``shmem_enabled`` (root; the original is put back
 afterwards, also on Ctrl-C). ``--before SRC_DIR``: also run another overmind source tree
 (e.g. ``git archive <commit> src | tar -x -C DIR``, with ``overmind/_C*.so`` copied in) on
-``PYTHONPATH``, as ``before``. Every run visits each (code, setting) pair in turn.
+``PYTHONPATH``, as ``before``. Every run visits each (code, setting) pair in turn, the two
+codes back to back in alternating order, and the summary gives each run's after / before.
 Run it under ``flock /tmp/overmind-measure.lock``.
 """
 
@@ -25,13 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+from overmind.bench import shmem
 
 CHILD = r"""
 import json, sys, time, torch
@@ -77,11 +77,6 @@ print(json.dumps({"bytes": written, "seconds": seconds, "gb_per_s": written / se
 """
 
 
-def current_setting() -> str:
-    text = SHMEM_ENABLED.read_text()
-    return text[text.index("[") + 1:text.index("]")]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
@@ -91,16 +86,14 @@ def main() -> None:
         "OVERMIND_BENCH_CACHE", Path.home() / ".cache" / "overmind-bench")))
     args = parser.parse_args()
     root = args.cache_dir.expanduser() / "base"
-    original = current_setting()
+    original = shmem.current()
     settings = list(dict.fromkeys(args.settings.split(","))) if args.settings else [original]
     codes = {"after": None, **({"before": str(args.before.resolve())} if args.before else {})}
     results: dict = {f"{c} {s}": [] for s in settings for c in codes}
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
+    with shmem.Switch(settings) as switch:  # puts the original back, also on Ctrl-C and SIGTERM
         for run in range(args.runs):
             for setting in settings:
-                if current_setting() != setting:
-                    SHMEM_ENABLED.write_text(setting)
+                switch.set(setting)
                 for code, path in (codes.items() if run % 2 == 0 else reversed(codes.items())):
                     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
                     if path:
@@ -115,15 +108,18 @@ def main() -> None:
                           f"{out['huge_fraction']:.2f} in huge pages; then collapse "
                           f"{out['collapse_seconds']:.2f} s, {out['huge_fraction_after_collapse']:.2f} in huge pages "
                           f"({out['memfd']})", file=sys.stderr, flush=True)
-    finally:
-        if current_setting() != original:
-            SHMEM_ENABLED.write_text(original)
     summary = {k: {"gb_per_s_median": statistics.median(r["gb_per_s"] for r in v),
                    "gb_per_s": [round(r["gb_per_s"], 3) for r in v],
                    "huge_fraction": statistics.median(r["huge_fraction"] for r in v),
                    "collapse_seconds_median": statistics.median(r["collapse_seconds"] for r in v),
                    "huge_fraction_after_collapse": statistics.median(r["huge_fraction_after_collapse"] for r in v),
                    "bytes": v[0]["bytes"], "segment_bytes": v[0]["segment_bytes"]} for k, v in results.items() if v}
+    if args.before:  # paired: the two codes ran back to back in each run, in alternating order
+        for setting in settings:
+            ratios = [a["gb_per_s"] / b["gb_per_s"]
+                      for a, b in zip(results[f"after {setting}"], results[f"before {setting}"])]
+            summary[f"after / before {setting}"] = {"median": statistics.median(ratios),
+                                                    "ratios": [round(r, 3) for r in ratios]}
     print(json.dumps({"original_setting": original, "results": summary}, indent=2))
 
 

@@ -7,11 +7,9 @@ import gc
 import os
 import pickle
 
-import psutil
 import pytest
 import torch
 
-from overmind.memfd import Segment
 from overmind.reductions import pack, unpack
 
 from ..conftest import run_python

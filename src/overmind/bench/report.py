@@ -362,7 +362,7 @@ def format_tables(doc: dict) -> str:
 
 
 def _shmem_line(settings: dict) -> str:
-    from overmind.bench.shmem import HUGE_VALUES
+    from overmind.hugepages import ALLOWING
 
     value = settings["shmem_enabled"]
     if settings["shmem_enabled_runs"]:
@@ -370,7 +370,7 @@ def _shmem_line(settings: dict) -> str:
                 f"{', '.join(settings['shmem_enabled_runs'])} in turn; {value} otherwise and restored after")
     if value is None:
         return "shmem_enabled: unknown (no /sys/kernel/mm/transparent_hugepage/shmem_enabled): small pages"
-    pages = "huge pages where the kernel has them" if value in HUGE_VALUES else "small (4 KiB) pages"
+    pages = "huge pages where the kernel has them" if value in ALLOWING else "small (4 KiB) pages"
     return f"shmem_enabled: {value}: overmind's segments use {pages}"
 
 

@@ -19,38 +19,35 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["SHMEM_ENABLED", "VALUES", "HUGE_VALUES", "current", "Switch", "SwitchRefused"]
+from overmind import hugepages
 
-SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+__all__ = ["SHMEM_ENABLED", "VALUES", "current", "Switch", "SwitchRefused"]
+
+SHMEM_ENABLED = Path("/", hugepages.SHMEM_ENABLED)
 VALUES = ("always", "within_size", "advise", "never", "deny", "force")
-# Values under which overmind's segments may be backed by huge pages.
-HUGE_VALUES = ("always", "within_size", "advise", "force")
 
 
 class SwitchRefused(RuntimeError):
     """The setting cannot be changed here (not root, no such file)."""
 
 
-def current(path: Path = SHMEM_ENABLED) -> Optional[str]:
-    """The selected value (the bracketed word), or None where the kernel has no such file."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
+def current(root: str = "/") -> Optional[str]:
+    """The selected value (read as ``overmind status`` reads it), or None where the kernel has no such file."""
+    setting = hugepages.read_setting(root)
+    return None if setting == hugepages.UNAVAILABLE else setting
 
 
 class Switch:
     """Sets the values in turn; restores the original on exit, on SIGTERM too (as Ctrl-C)."""
 
-    def __init__(self, values: list[str], path: Path = SHMEM_ENABLED) -> None:
+    def __init__(self, values: list[str], root: str = "/") -> None:
         unknown = [v for v in values if v not in VALUES]
         if unknown:
             raise ValueError(f"--shmem-enabled: unknown {', '.join(unknown)}; choose from {', '.join(VALUES)}")
         self.values = list(dict.fromkeys(values))
-        self.path = path
-        self.original = current(path)
+        self.root = root
+        self.path = Path(root, hugepages.SHMEM_ENABLED)
+        self.original = current(root)
         self._wrote = False  # only a value this switch wrote is ever written back
         self._previous_sigterm = None
 
@@ -65,14 +62,14 @@ class Switch:
     def set(self, value: str) -> None:
         if value == self.original and not self._wrote:
             return  # the machine's own value: nothing to change (runs record what they ran under)
-        if current(self.path) != value:
+        if current(self.root) != value:
             self._wrote = True
             self.path.write_text(value)
-            if current(self.path) != value:
+            if current(self.root) != value:
                 raise SwitchRefused(f"{self.path} did not take {value!r} (this kernel does not offer it?)")
 
     def restore(self) -> None:
-        if self._wrote and self.original is not None and current(self.path) != self.original:
+        if self._wrote and self.original is not None and current(self.root) != self.original:
             self.path.write_text(self.original)
 
     def __enter__(self) -> "Switch":
