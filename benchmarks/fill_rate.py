@@ -1,7 +1,7 @@
 """How fast a cold load fills the cache: ``overmind.reductions.pack`` of the seed's workload (issue 11).
 
     python benchmarks/fill_rate.py [--runs 3] [--settings never,advise] [--before SRC_DIR]
-                                   [--cache-dir ~/.cache/overmind-bench]
+                                   [--pause SECONDS] [--cache-dir ~/.cache/overmind-bench]
 
 Each measurement is a fresh process that loads overmind-bench's ``controlnet`` scenario
 plainly (AutoencoderKL, two ControlNetModels, StableDiffusionControlNetPipeline(vae=vae,
@@ -29,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from overmind.bench import shmem
@@ -82,6 +83,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--settings", help="comma-separated shmem_enabled values (root), e.g. never,advise")
     parser.add_argument("--before", type=Path, help="another overmind src/ folder to compare with")
+    parser.add_argument("--pause", type=float, default=0.0,
+                        help="seconds to wait before each measurement, so the memory the last one freed settles "
+                             "(this VM hands free memory back to its host within seconds)")
     parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get(
         "OVERMIND_BENCH_CACHE", Path.home() / ".cache" / "overmind-bench")))
     args = parser.parse_args()
@@ -95,6 +99,7 @@ def main() -> None:
             for setting in settings:
                 switch.set(setting)
                 for code, path in (codes.items() if run % 2 == 0 else reversed(codes.items())):
+                    time.sleep(args.pause)
                     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
                     if path:
                         env["PYTHONPATH"] = path
