@@ -15,7 +15,7 @@ Then one JSON job per stdin line, one reply per job on stdout, prefixed with
   loader calls (each timed), ``.to(device)``, then first use of every weight; reply
   ``{"ok": true, "phases": {...}, "tensor_bytes": n}``. ``hold`` keeps the object alive
   (the memory scenario measures holders); otherwise it is dropped before the next job.
-- ``{"op": "drop"}``: let go of every held object.
+- ``{"op": "drop"}``: let go of every held object, and give the freed heap back to the kernel.
 - ``{"op": "unpatch"}`` / ``{"op": "patch"}``: ``overmind.api.unpatch_all()`` /
   ``monkey_patch_all()``: the memory scenario's holders load plainly, then through overmind.
 - ``{"op": "exit"}``: leave at once (``os._exit``: interpreter teardown is not measured).
@@ -104,6 +104,20 @@ def _load(job: dict, held: list) -> dict:
     return {"ok": True, "phases": phases, "tensor_bytes": nbytes}
 
 
+def _give_back_freed_memory() -> None:
+    """After a drop, hand the heap the objects freed back to the kernel: glibc keeps freed
+    chunks of a converting load (``fp32_as_fp16``'s casts) in the process, and the memory
+    scenario's next baseline would count GBs that its next loads then reuse or trim away."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim
+
+
 def main() -> None:
     import importlib
     import json
@@ -135,6 +149,7 @@ def main() -> None:
                 continue
             if op == "drop":
                 held.clear()
+                _give_back_freed_memory()
             elif op == "unpatch":
                 overmind.api.unpatch_all()
             elif op == "patch":
