@@ -185,11 +185,19 @@ def _read_until(fd: int, marker: bytes, timeout: float = 60) -> bytes:
     return data
 
 
+# A script that waits for the test's signal. Not one long time.sleep: CPython runs a Python
+# signal handler only between bytecodes, so a signal that lands after its last check and before
+# clock_nanosleep starts waits for the sleep to end (plain python too). The test signals right
+# after reading the script's first line, which hit that window in about 2% of runs here.
+WAIT_FOR_A_SIGNAL = "for _ in range(1200):\n    time.sleep(0.05)"
+
+
 def test_in_a_terminal_isatty_is_true_and_ctrl_c_raises_keyboard_interrupt(warm_server, tmp_path):
     script = tmp_path / "wait.py"
     script.write_text("import sys, time\n"
                       "print('tty', sys.stdin.isatty(), sys.stdout.isatty(), sys.stderr.isatty(), flush=True)\n"
-                      "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('caught', flush=True)\n"
+                      "try:\n    " + WAIT_FOR_A_SIGNAL.replace("\n", "\n    ") + "\nexcept KeyboardInterrupt:\n"
+                      "    print('caught', flush=True)\n"
                       "    sys.exit(4)\n")
     before = _runs(warm_server)
     proc, master = _spawn_in_pty([OVERMIND, "run", str(script)], _env(warm_server))
@@ -210,7 +218,7 @@ def test_sigterm_and_sighup_reach_the_script(warm_server, tmp_path, sig):
     script.write_text("import signal, sys, time\n"
                       "signal.signal(signal.SIGTERM, lambda *a: sys.exit(10))\n"
                       "signal.signal(signal.SIGHUP, lambda *a: sys.exit(11))\n"
-                      "print('ready', flush=True)\ntime.sleep(60)\n")
+                      "print('ready', flush=True)\n" + WAIT_FOR_A_SIGNAL + "\n")
     before = _runs(warm_server)
     proc = subprocess.Popen([OVERMIND, "run", str(script)], env=_env(warm_server), stdout=subprocess.PIPE, text=True)
     try:
