@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     size = int(args.gib * (1 << 30)) // (2 << 20) * (2 << 20)
     segment = Segment.create("first-touch", size)
-    chunk = bytes([1]) * (16 << 20)
+    chunk = memoryview(bytes([1]) * (16 << 20))  # sliced without copying
     start = time.perf_counter()
     for offset in range(0, size, len(chunk)):
         segment.write_at(offset, chunk[: size - offset])
