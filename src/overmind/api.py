@@ -217,6 +217,9 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
 
     if patching_disabled():
         return target.original(*args, **kwargs)
+    from overmind import prefetch
+
+    prefetch.loading()  # Note [Teaching the interpreter while importing] in overmind.prefetch
     description = target.name
     remember = None  # the key a plain result is filed under (a miss that the server is loading)
     meta = rng_end = None  # a hit's LoadMeta, and the generator states it leaves
@@ -268,19 +271,37 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
         if meta is not None:
             _as_plain_call_left_it(rng_end, meta.events)
             return obj
+    started = time.monotonic()
     obj = target.original(*args, **kwargs)
     if remember is not None:
         _remember(obj, remember)
+        _tell_plain_seconds(remember, time.monotonic() - started)
     return obj
+
+
+def _tell_plain_seconds(key: str, seconds: float) -> None:
+    """What our plain load of a filling key took: the server weighs a later caller's wait for
+    the fill against it (Note [Joining a fill] in overmind.server)."""
+    conn = getattr(_local, "conn", None)
+    if conn is None:
+        return
+    from overmind import protocol as P
+
+    try:
+        conn.tell(P.PlainLoaded(key, seconds))
+    except Exception as err:  # noqa: BLE001 - only a hint for the server
+        logger.debug("could not tell the server our plain load's time: %s", err)
+        _drop_connection()
 
 
 def _fetch(config: "Config", target: "Target", call) -> tuple[Any, Any, str]:
     """(object, its LoadMeta, the key it is filed under), or CachePending."""
     from overmind import protocol as P
     from overmind.callstate import rng_digest, rng_key, seeded
+    from overmind.prefetch import program_id
 
     request = P.Load(call.key, target.name, call.description, _context(), call.refs, modules=target.modules,
-                     wait=config.cold_wait)
+                     wait=config.cold_wait, program=program_id())
     retry = _retry_once_errors()
     attempt = 0
     while True:
@@ -296,7 +317,7 @@ def _fetch(config: "Config", target: "Target", call) -> tuple[Any, Any, str]:
                 if not seeded(meta.rng.get("drew", [])):
                     raise NotWorthCaching("the load draws from a generator seeded from OS entropy")
                 request = P.Load(rng_key(call.key, digest), target.name, call.description, _context(),
-                                 call.refs, modules=target.modules, wait=config.cold_wait)
+                                 call.refs, modules=target.modules, wait=config.cold_wait, program=program_id())
                 continue
             references = dict(call.ref_objects)
             for key in meta.references:
@@ -458,6 +479,9 @@ def _prepare() -> None:
         config = Config.from_env()
         conn = Connection.open(config)
         conn.simple(P.Prepare(_context()), P.Ok, timeout=config.reply_timeout)
+        from overmind import prefetch  # Note [Prefetch] in overmind.prefetch
+
+        server_pid, entries = prefetch.plan(conn)
     except Exception as err:  # the first load reports problems; this is only a head start
         logger.debug("prestart failed: %s", err)
         return
@@ -467,6 +491,7 @@ def _prepare() -> None:
             _spare, conn = conn, None
     if conn is not None:
         conn.close()
+    prefetch.background(config, server_pid, entries)
 
 
 def _warm_up() -> None:

@@ -42,10 +42,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 __all__ = ["Target", "EncodedCall", "DecodedCall", "Uncacheable", "encode_call", "decode_call", "fingerprint_paths",
-           "library_versions", "hub_snapshot"]
+           "file_fingerprint", "library_versions", "hub_snapshot"]
 
 PICKLE_PROTOCOL = 5
-KEY_VERSION = "overmind-key-2"
+KEY_VERSION = "overmind-key-3"  # 3: fingerprints hold the ctime
 _LIBRARIES = ("torch", "diffusers", "transformers", "accelerate", "bitsandbytes", "safetensors", "overmind")
 
 
@@ -225,22 +225,63 @@ def hub_snapshot(repo_id: str, revision: Optional[str] = None) -> Optional[Path]
 
 # Note [Racy files]
 # File timestamps advance with the kernel's coarse clock (a few ms), so a file rewritten
-# in place twice within one tick keeps its size, inode and mtime. A call whose files were
-# modified less than RACY_SECONDS ago is therefore not cached (as git treats racy index
-# entries): it could not be told apart from the next version of those files.
+# in place twice within one tick keeps its size, inode, mtime and ctime. A call whose files
+# changed too recently is therefore not cached (as git treats racy index entries): it could
+# not be told apart from the next version of those files. Either timestamp makes a file racy:
+# - an mtime less than RACY_SECONDS ago (or in the future). Generous, because the mtime need
+#   not come from this machine's clock (`rsync -t`, `tar x`, `os.utime` copy it from elsewhere)
+#   and some filesystems keep it in whole or even two seconds (FAT).
+# - a ctime less than one timestamp tick ago. The kernel stamps the ctime itself, from its own
+#   clock, on every change of the inode, and no user can set it: a rewrite in place with the
+#   mtime put back (`rsync --inplace -t`) has an old mtime but a fresh ctime. A filesystem that
+#   keeps nanoseconds stamps from a clock that moves every jiffy (at most 10 ms), so
+#   CTIME_RACY_SECONDS covers a tick; one that keeps whole seconds (a ctime without
+#   nanoseconds) gets RACY_SECONDS. A file saved, backdated and loaded by the next process is
+#   thus still cached, as a file saved a while ago is.
 RACY_SECONDS = 2.0
+CTIME_RACY_SECONDS = 0.1
 # A path argument that names a huge tree (a home folder, "/") is not a model: do not walk it.
 MAX_FILES = 20_000
 
 
+def file_fingerprint(path: str, st: os.stat_result) -> tuple:
+    """(path, size, mtime_ns, inode, device, ctime_ns): Note [What a fingerprint cannot see]."""
+    return (path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
+
+
+# Note [What a fingerprint cannot see]
+# A file's fingerprint is its path, size, mtime_ns, inode, device and ctime_ns. The ctime is
+# what catches a rewrite in place (same inode, same size) whose mtime was put back, since
+# only the kernel sets it. It also moves on chmod, chown, a new hard link or an xattr change,
+# which leave the bytes alone: such a file is one miss (a new load), never a wrong hit.
+# Still not caught:
+# - a change that keeps the ctime: the system clock set back (CAP_SYS_TIME) and a rewrite at
+#   the same instant, bytes written under the filesystem (the block device, debugfs), or a
+#   filesystem that reports no real ctime (some FUSE and network filesystems);
+# - a change on a network filesystem that this machine's attribute cache has not seen yet
+#   (NFS keeps attributes for up to acregmax, 60 s by default; opening the file would
+#   revalidate them, a stat does not), and a ctime stamped by a file server whose clock
+#   lags ours, which can pass the racy check within one of its ticks;
+# - a file read by neither an argument path nor an open or mapping the loader saw (Note
+#   [Observed files] in overmind.loader); and observed files are not checked for racy
+#   timestamps: one rewritten twice within one tick, around the load, looks unchanged.
+
+
+def _racy(entry: tuple, now_ns: int) -> bool:
+    """Note [Racy files]."""
+    mtime_ns, ctime_ns = entry[2], entry[5]
+    ctime_window = RACY_SECONDS if ctime_ns % 1_000_000_000 == 0 else CTIME_RACY_SECONDS
+    return mtime_ns > now_ns - int(RACY_SECONDS * 1e9) or ctime_ns > now_ns - int(ctime_window * 1e9)
+
+
 def fingerprint_paths(paths: list[str], now: Optional[float] = None) -> list[tuple]:
-    """(path, size, mtime_ns, inode, device) of every file under ``paths`` (symlinks followed).
+    """:func:`file_fingerprint` of every file under ``paths`` (symlinks followed).
 
     Raises Uncacheable if a file changed too recently to be fingerprinted (Note [Racy files]).
     """
     import time
 
-    limit = int(((time.time() if now is None else now) - RACY_SECONDS) * 1e9)
+    now_ns = int((time.time() if now is None else now) * 1e9)
     out: list[tuple] = []
     for path in sorted(set(paths)):
         try:
@@ -248,7 +289,7 @@ def fingerprint_paths(paths: list[str], now: Optional[float] = None) -> list[tup
         except OSError:
             continue
         if not os.path.isdir(path):
-            out.append((path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
+            out.append(file_fingerprint(path, st))
         else:  # the files below say what changed; the folder's own mtime moves with any cache file
             for root, dirs, files in os.walk(path):
                 # Bytecode caches change when anything imports from the folder; they are not data.
@@ -263,10 +304,10 @@ def fingerprint_paths(paths: list[str], now: Optional[float] = None) -> list[tup
                         st = os.stat(full)
                     except OSError:
                         continue
-                    out.append((full, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
+                    out.append(file_fingerprint(full, st))
     for entry in out:
-        if entry[2] > limit:
-            raise Uncacheable(f"{entry[0]} was modified less than {RACY_SECONDS:g}s ago")
+        if _racy(entry, now_ns):
+            raise Uncacheable(f"{entry[0]} was modified too recently to be told from its next version")
     return out
 
 

@@ -44,6 +44,7 @@ from typing import Optional
 
 from overmind import __version__
 from overmind import protocol as P
+from overmind import prefetch
 from overmind.config import Config, ensure_private_dir, open_runtime_file
 from overmind.memfd import Segment
 
@@ -247,6 +248,12 @@ class Connection:
             self.used = True
             return answer
 
+    def tell(self, message: P.Message) -> None:
+        """Send a message the server does not answer (``PlainLoaded``)."""
+        with self.lock:
+            self.sock.settimeout(self.config.reply_timeout)
+            P.send_message(self.sock, message)
+
     def load(self, request: P.Load, blob: bytes) -> tuple[P.Entry, bytes]:
         """An entry, or CachePending. The answer comes within the reply bound; a request that
         waits for a cold load then waits up to ``OVERMIND_TIMEOUT`` for the entry."""
@@ -277,6 +284,9 @@ class Connection:
                 if slot is None:
                     continue
                 fd, size, dev, ino = slot
+                mappings[i] = prefetch.take(dev, ino, size)  # Note [Prefetch] in overmind.prefetch
+                if mappings[i] is not None:
+                    continue
                 with Segment.open_proc(self.proc_pid, fd, size, f"{entry.key[:12]}.{i}", identity=(dev, ino)) as seg:
                     mappings[i] = seg.map_private()
             return mappings

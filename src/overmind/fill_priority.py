@@ -13,11 +13,14 @@ the caller loads plainly while a loader would fill the cache with the same work.
 once, the fill shares the cores, the memory bandwidth and the page allocator with the
 caller: a cast to fp16 made the caller's load 2-3.5 x plain on 2 cores, and still 2 x with
 the fill at idle priority; started after the caller's load, 0.9 x. So a fill first waits
-(holding no load slot) until its caller runs or waits for a CPU less than half the time for
-``CALLER_QUIET`` polls (its load is over), or the caller exits, or someone waits for the
-fill (``Fill.wanted``), or ``OVERMIND_FILL_YIELD`` seconds passed. The price: the entry
-becomes a hit that much later, and a caller that keeps computing right after its load
-delays its fill by up to OVERMIND_FILL_YIELD.
+(holding no load slot) until its caller says its own load of the key returned
+(``PlainLoaded``, ``Fill.caller_done``), or runs or waits for a CPU less than half the time
+for ``CALLER_QUIET`` polls (its load is over; a client that says nothing), or exits, or
+someone waits for the fill (``Fill.wanted``), or ``OVERMIND_FILL_YIELD`` seconds passed.
+Waiting for the caller's word rather than its quiet matters for the next run: a script that
+goes on computing, or only exits (1-2 s for a process holding torch), after its last load
+would otherwise hold its fills back until then, and its next run, started at once, would
+find them still running.
 
 Note [Cold fills yield to their caller]
 Once started, such a fill's loader runs under SCHED_IDLE, every thread of it (a ``Fill``):
@@ -62,7 +65,9 @@ class Fill:
         self.background = background  # nobody waits for it (yet): it may yield
         self.caller = caller  # pid of the process whose miss started it (0: unknown)
         self.wanted = threading.Event()  # someone waits for it: no more waiting for the caller
+        self.caller_done = threading.Event()  # the caller said its own load of the key returned
         self.pid = 0  # its loader, once forked
+        self.forked_at = 0.0
         self.idle = False  # under SCHED_IDLE now: a waiter lifts it
         self.yielded_at = 0.0
 
@@ -166,7 +171,7 @@ class FillPriorities:
         started = time.monotonic()
         last, quiet = _busy_seconds(fill.caller), 0
         while last is not None and quiet < CALLER_QUIET and time.monotonic() - started < self.config.fill_yield:
-            if fill.wanted.wait(CALLER_POLL):
+            if fill.wanted.wait(CALLER_POLL) or fill.caller_done.is_set():
                 break
             now = _busy_seconds(fill.caller)
             if now is None:
@@ -185,7 +190,7 @@ class FillPriorities:
 
     def forked(self, fill: Fill, pid: int) -> None:
         with self.fill_lock:
-            fill.pid = pid
+            fill.pid, fill.forked_at = pid, time.monotonic()
             if not fill.background or self.config.fill_yield <= 0:
                 how = "normal priority" + (" (a caller waits for it)" if not fill.background else "")
             elif self.can_lift_idle and every_thread(pid, to_idle):
@@ -196,6 +201,19 @@ class FillPriorities:
             else:
                 how = "normal priority (could not lower it)"
         logger.info("loader pid %d fills %s at %s", pid, fill.key[:16], how)
+
+    def caller_loaded(self, key: str) -> None:
+        """The caller whose miss started the fill of ``key`` finished its own plain load of it."""
+        with self.fill_lock:
+            fill = self.fills.get(key)
+        if fill is not None:
+            fill.caller_done.set()
+
+    def running_for(self, key: str) -> float | None:
+        """Seconds the loader filling ``key`` has run; None when there is none yet."""
+        with self.fill_lock:
+            fill = self.fills.get(key)
+            return None if fill is None or not fill.pid else time.monotonic() - fill.forked_at
 
     def _lift(self, fill: Fill, why: str) -> None:
         """Back to SCHED_OTHER; with fill_lock held."""

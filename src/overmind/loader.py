@@ -51,8 +51,10 @@ class FileObserver:
     files no argument names (a config's base model, a custom patch point's own index). The
     loader therefore records every regular file opened for reading while the original
     runs, plus every file mapped into the process by then (safetensors maps its files from
-    Rust, unseen by Python's audit events). The server re-checks these fingerprints on
-    every hit and treats a change as a miss. Files under the interpreter's own prefixes
+    Rust, unseen by Python's audit events). The server re-checks these fingerprints (ctime
+    included: Note [What a fingerprint cannot see] in overmind.calls) on every hit and treats
+    a change as a miss; the client checks it can still read them (Note [A hit needs the
+    caller's read permission] in overmind.client). Files under the interpreter's own prefixes
     (the libraries themselves) are left out: their versions are in the key.
     """
 
@@ -84,6 +86,8 @@ class FileObserver:
         return found
 
     def fingerprints(self, before_maps: set[str]) -> list[list]:
+        from overmind.calls import file_fingerprint
+
         out = []
         for path in sorted(self.paths | (self.mapped() - before_maps)):
             try:
@@ -93,7 +97,7 @@ class FileObserver:
                 continue
             if not os.path.isfile(real) or real.startswith(self.ignored) or real.startswith(("/proc/", "/dev/", "/sys/")):
                 continue
-            out.append([real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev])
+            out.append(list(file_fingerprint(real, st)))  # Note [What a fingerprint cannot see]
         return out
 
 

@@ -296,13 +296,22 @@ class LoaderPool:
         logger.info("retiring warm interpreter %d (%s)", zygote.proc.pid, why)
         zygote.retire()
 
-    def prepare(self, context: Context) -> None:
-        """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all())."""
+    def prepare(self, context: Context, modules: list = ()) -> None:
+        """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all()),
+        and have it import ``modules``, which a client of it imported (Note [Warm interpreters
+        learn] in overmind.zygote)."""
         try:
+            if modules:
+                with self.lock:
+                    known = self.learned.setdefault(context.key, [])
+                    seen = set(known)
+                    known.extend(n for n in modules if n not in seen and len(known) < MAX_LEARNED)
             zygote = self._zygote(context)
             with zygote.lock:
                 if not zygote.ready and not zygote.retired:
                     zygote._wait_ready()
+                if modules and not zygote.retired:
+                    P.send_message(zygote.sock, P.Warm(list(modules)))
         except Exception as err:  # a later load retries and reports properly
             logger.warning("preparing a warm interpreter for context %s failed: %s", context.key, err)
 

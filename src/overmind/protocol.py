@@ -38,11 +38,11 @@ __all__ = [
     "Message", "MESSAGE_TYPES", "encode_frame", "decode_header", "decode_fields", "send_message", "recv_message",
     "Hello", "Welcome", "Error", "Load", "Entry", "LoadMeta", "Pending", "GetFds", "Fds", "GetContents", "Contents", "Status", "StatusReply", "ListEntries",
     "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "JobResult", "JobFailed", "Job", "JobStarted", "LoaderReady",
-    "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire",
+    "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire", "PlainLoaded", "Prefetch", "PrefetchReply",
 ]
 
 MAGIC = b"OVMD"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 HEADER = struct.Struct("<4sHHIQ")
 MAX_JSON = 1 << 20  # 1 MiB of fields
 MAX_BLOB = 1 << 31  # 2 GiB: skeletons of very large pipelines (tokenizer vocabularies) stay well below
@@ -176,6 +176,32 @@ class Load(Message):
     lookup_only: bool = False  # never start a loader: NOT_FOUND on a miss
     modules: list = []  # modules the call needs, learned by the warm interpreter for later loads
     wait: bool = True  # on a miss, wait for the load; False: answer Pending at once
+    program: str = ""  # the calling program (script, cwd, interpreter): Note [Prefetch] in overmind.prefetch
+
+
+@message
+class PlainLoaded(Message):
+    """A client that got ``Pending`` ran the original itself, in ``seconds``; no answer. The
+    server weighs a later caller's wait for the fill against it (Note [Joining a fill])."""
+
+    TYPE: ClassVar[int] = 17
+    key: str
+    seconds: float
+
+
+@message
+class Prefetch(Message):
+    """What ``program`` loaded last time: answered with ``PrefetchReply`` (Note [Prefetch])."""
+
+    TYPE: ClassVar[int] = 18
+    program: str
+
+
+@message
+class PrefetchReply(Message):
+    TYPE: ClassVar[int] = 19
+    server_pid: int
+    entries: list  # [[key, segments as in Entry.segments], ...], in the order they were loaded
 
 
 @message
@@ -296,6 +322,7 @@ class Prepare(Message):
 
     TYPE: ClassVar[int] = 28
     context: dict
+    modules: list = []  # installed modules this client imported since it last said (Note [Warm interpreters learn])
 
 
 # -- overmind run: front end <-> server <-> warm interpreter ----------------------
@@ -423,7 +450,7 @@ class LoadMeta(Message):
     load_seconds: float = 0.0  # set by the server: the whole fill, queueing included
     sys_path_extra: list = []  # dynamic-module folders the client must add to sys.path
     references: list = []  # keys of entries passed in and handed back unchanged
-    files: list = []  # [[path, size, mtime_ns, ino, dev]]: Note [Observed files] in overmind.loader
+    files: list = []  # [[path, size, mtime_ns, ino, dev, ctime_ns]]: Note [Observed files] in overmind.loader
     deduplicated: int = 0  # bytes referenced in other entries' segments instead of written
     contents: list = []  # [[digest hex, nbytes, slot, offset]]: Note [Content index] in overmind.registry
     # Note [Loads that draw random numbers] in overmind.callstate: {} when the load drew none,
@@ -453,7 +480,8 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, GetContents, Contents, Status, StatusReply,
                 ListEntries, EntryList, Evict, Evicted, Shutdown, Ok, Prepare, Run, RunRefused, RunStarted, RunExited,
-                LoaderReady, Job, JobStarted, JobResult, JobFailed, Warm, Fork, Retire)
+                LoaderReady, Job, JobStarted, JobResult, JobFailed, Warm, Fork, Retire, PlainLoaded, Prefetch,
+                PrefetchReply)
 }
 
 def encode_frame(message: Message, blob: bytes | memoryview = b"") -> bytes:

@@ -241,6 +241,13 @@ class Registry:
         entry = self._fresh_entry(key)
         return None if entry is None else self._hit(entry)
 
+    def peek(self, key: str) -> Optional[list]:
+        """The segment handles of ``key``'s fresh entry, counting no hit (Note [Prefetch] in
+        overmind.prefetch: what a program is about to load)."""
+        entry = self._fresh_entry(key)
+        reply = None if entry is None else self._hit(entry, count=False)
+        return None if reply is None else reply.handles
+
     def begin(self, key: str, lookup_only: bool = False) -> Admission:
         """A hit, the flight to wait for (started by this request or another), or a remembered failure.
 

@@ -39,6 +39,7 @@ import socket
 import sys
 import threading
 import time
+from collections import OrderedDict
 from typing import Optional
 
 from overmind import __version__
@@ -47,6 +48,7 @@ from overmind.config import (Config, ConfigError, ensure_private_dir, open_runti
                              write_runtime_file)
 from overmind.fill_priority import Fill
 from overmind.loader_pool import LoaderPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
+from overmind.programs import ProgramHistory
 from overmind.registry import CacheEntry, Flight, Registry, Reply, TooLarge
 
 logger = logging.getLogger("overmind.server")
@@ -76,6 +78,19 @@ MAX_TEXT = 1000
 MAX_LIST = 256
 SOCKET_CHECK_INTERVAL = 0.5
 HOUSEKEEPING_INTERVAL = 10.0  # warm interpreters: idle time and memory (LoaderPool.housekeeping)
+MAX_MODULES = 20000  # module names one Prepare may teach (a big script imports ~4000)
+MAX_PLAIN_SECONDS = 1024  # keys whose plain load time we remember
+
+# Note [Joining a fill]
+# A caller that finds its key filling (run 2 of a script, started while run 1's fill still
+# runs) either loads plainly or waits for the fill, lending it normal priority. It waits when
+# the fill should end sooner than a plain load would: the first caller reported its plain
+# load's seconds (PlainLoaded), and a fill costs about FILL_COST of them (the loader runs the
+# same original, then copies the result into segments), so one that has run for
+# (FILL_COST - 1) plain loads is expected to end within one more. The wait is bounded by that
+# one plain load: past it the caller loads plainly after all, so a wrong guess costs at most
+# one extra plain load's time, and a fill nobody joins still ends within its own bounds.
+FILL_COST = 2.0
 
 
 class AlreadyRunning(ConfigError):
@@ -103,6 +118,9 @@ class Server:
         self.socket_id: Optional[tuple[int, int]] = None
         self.socket_rebinds = 0
         self.runs = 0
+        self.history = ProgramHistory()  # Note [Prefetch] in overmind.prefetch
+        self.plain_seconds: "OrderedDict[str, float]" = OrderedDict()  # Note [Joining a fill]
+        self.joined = 0
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 
@@ -343,11 +361,28 @@ class Server:
         elif isinstance(message, P.Prepare):
             try:
                 context, _, _ = context_from_wire(message.context)
+                modules = self._check_modules(message.modules)
             except LoadFailure as failure:
                 return self._reply_error(conn, failure.code, failure.message)
-            threading.Thread(target=self.loaders.prepare, args=(context,), daemon=True,
+            threading.Thread(target=self.loaders.prepare, args=(context, modules), daemon=True,
                              name="overmind-prepare").start()
             P.send_message(conn, P.Ok())
+        elif isinstance(message, P.PlainLoaded):  # no answer: the client does not wait for one
+            if isinstance(message.key, str) and len(message.key) <= MAX_KEY and 0 <= message.seconds < 1e6:
+                self.plain_seconds.pop(message.key, None)
+                self.plain_seconds[message.key] = float(message.seconds)
+                self.loaders.fills.caller_loaded(message.key)  # Note [Cold fills wait for their caller]
+                while len(self.plain_seconds) > MAX_PLAIN_SECONDS:
+                    self.plain_seconds.popitem(last=False)
+        elif isinstance(message, P.Prefetch):
+            if not isinstance(message.program, str) or len(message.program) > MAX_KEY:
+                return self._reply_error(conn, P.ErrorCode.BAD_REQUEST, "malformed program")
+            entries = []
+            for key in self.history.last(message.program, pid):
+                handles = self.registry.peek(key)
+                if handles is not None:
+                    entries.append([key, handles])
+            P.send_message(conn, P.PrefetchReply(os.getpid(), entries))
         elif isinstance(message, P.Shutdown):
             P.send_message(conn, P.Ok())
             logger.info("shutdown requested by pid %d", pid)
@@ -383,6 +418,7 @@ class Server:
         info["bytes"] = info["used"] = self.registry.used()
         info["loaders"] = self.loaders.describe()
         info["settling"] = self.loaders.settling  # Note [Huge pages for segments] in overmind.memfd
+        info["joined"] = self.joined  # Note [Joining a fill]
         return info
 
     # -- loads ---------------------------------------------------------------------
@@ -407,12 +443,32 @@ class Server:
         if not request.lookup_only:
             context_from_wire(request.context)
 
+    @staticmethod
+    def _check_modules(modules) -> list:
+        if not isinstance(modules, list) or len(modules) > MAX_MODULES or \
+                not all(isinstance(m, str) and 0 < len(m) <= MAX_TEXT for m in modules):
+            raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"modules must be at most {MAX_MODULES} names")
+        return modules
+
+    def _joins(self, request: P.Load) -> float:
+        """Note [Joining a fill]: how long a caller that found ``request.key`` filling should
+        wait for it rather than load plainly; 0: not at all."""
+        plain = self.plain_seconds.get(request.key)
+        if request.wait or request.lookup_only or plain is None:
+            return 0.0
+        elapsed = self.loaders.fills.running_for(request.key)
+        if elapsed is None or elapsed < (FILL_COST - 1) * plain:
+            return 0.0  # not started yet, or it would likely end after a plain load
+        return plain
+
     def _load(self, conn: socket.socket, request: P.Load, blob: bytes, pid: int) -> None:
         """Hit, or miss: see Note [Cold loads run behind the caller]."""
         try:
             self._check_load(request)
         except LoadFailure as failure:
             return self._reply_error(conn, failure.code, failure.message)
+        if request.program and not request.lookup_only:
+            self.history.record(request.program, pid, request.key)  # Note [Prefetch] in overmind.prefetch
         admission = self.registry.begin(request.key, lookup_only=request.lookup_only)
         if admission.reply is not None:
             return self._send_entry(conn, admission.reply, hit=True)
@@ -431,12 +487,18 @@ class Server:
             fill = self.loaders.fills.begin(request.key, background=not request.wait, caller=pid)
             threading.Thread(target=self._fly, args=(flight, request, blob, pid, fill), daemon=True,
                              name="overmind-load").start()
-        if not (request.wait or request.lookup_only):
+        join = 0.0 if admission.started else self._joins(request)
+        if not (request.wait or request.lookup_only or join):
             return P.send_message(conn, P.Pending(request.key, True, ""))
         # Answer at once that we are alive and loading; the entry follows (Pending.waiting).
         P.send_message(conn, P.Pending(request.key, True, "", waiting=True))
         with self.loaders.fills.waiting(request.key, pid):  # it lends the fill its priority
-            done = flight.done.wait(self.config.loader_timeout + 60)
+            done = flight.done.wait(join or self.config.loader_timeout + 60)
+        if join:
+            self.joined += 1
+            logger.info("pid %d joined the fill of %s: %s", pid, request.key[:16], "served" if done else "gave up")
+            if not done:  # slower than we thought: the caller loads plainly after all
+                return P.send_message(conn, P.Pending(request.key, True, "the fill took longer than a plain load"))
         if not done:
             return self._reply_error(conn, P.ErrorCode.LOADER_TIMEOUT, f"gave up waiting for {request.key}")
         if flight.entry is None:

@@ -32,14 +32,16 @@ and the server replaces it without the module that did so. CUDA is never initial
 (Note [Zygotes never touch CUDA] in overmind.loader_pool).
 
 Note [Warm interpreters learn]
-Each run reports, at its exit, the installed modules it imported, and each Job names the
-modules its call needs. The interpreter imports those it lacks, one at a time, between
+Each run reports, at its exit, the installed modules it imported; a patched client reports
+them while it imports (``Warm`` on a ready interpreter, from the server); and each Job names
+the modules its call needs. The interpreter imports those it lacks, one at a time, between
 forks (a Fork or Job waiting on the control socket goes first), so the next run of the same
 script or load of the same library imports nothing; the server keeps the list per context
-and hands it (``Warm``) to the context's next interpreter at start. A Job never waits for
-them: its child imports what its call needs at the child's own priority (Note [Cold fills
-yield to their caller] in overmind.fill_priority), and learning yields the CPU (Note [Warming
-up yields the CPU]) instead of competing with the cold load's caller.
+and hands it (``Warm``) to the context's next interpreter at start. Learning yields the CPU
+(Note [Warming up yields the CPU]) instead of competing with the client that taught it. A
+Job's own modules are imported here before its fork, at the priority the server gave us
+for the Job: the first fill of a cold start is usually followed by three more (a pipeline's
+components), and importing diffusers once here beats importing it in each loader child.
 
 Note [Frozen before forking]
 Everything the interpreter holds is moved to the garbage collector's permanent generation
@@ -257,10 +259,22 @@ class WarmInterpreter:
             names = json.loads(bytes(child.data)) if child.data else []
         except ValueError:
             return
+        self._to_learn(names)
+
+    def _to_learn(self, names) -> None:
         new = [n for n in names if isinstance(n, str) and n not in sys.modules and n not in self.refused_modules
                and n not in self.to_learn]
         self.to_learn.extend(new)
         self.learned.extend(n for n in new if n not in self.learned)
+
+    def _learn_now(self, names: list) -> None:
+        """Import ``names``, and what was queued before them, now, at our current priority."""
+        if not names:
+            return
+        last = max(self.to_learn.index(n) for n in names)
+        now, self.to_learn = self.to_learn[:last + 1], self.to_learn[last + 1:]
+        self._import(now)
+        self._record_files()
 
     def _learn_one(self) -> None:
         """One learned module, then back to select: a Fork waiting goes first (Note [Warm interpreters learn])."""
@@ -306,15 +320,22 @@ class WarmInterpreter:
             P.close_fds(fds)
             self.retiring = True
             return
+        if isinstance(message, P.Warm):  # a client's imports, as they happen: Note [Warm interpreters learn]
+            P.close_fds(fds)
+            self.refused_modules.update(n for n in message.refused if isinstance(n, str))
+            self._to_learn(message.modules)
+            return
         expected = 1 if isinstance(message, P.Job) else 4 if isinstance(message, P.Fork) else -1
         if len(fds) != expected:
             P.close_fds(fds)
             P.send_message(self.control, P.JobFailed("", P.ErrorCode.BAD_REQUEST,
                                                      f"unexpected {type(message).__name__} with {len(fds)} fds"))
             return
-        if isinstance(message, P.Job):  # learned after the fork: Note [Warm interpreters learn]
-            self.to_learn.extend(n for n in message.modules if isinstance(n, str) and n not in sys.modules
-                                 and n not in self.refused_modules and n not in self.to_learn)
+        if isinstance(message, P.Job):
+            # Imported here, before the fork, so every later loader and run shares them (Note [Warm
+            # interpreters learn]); the server lifted our priority when it sent the Job.
+            self._to_learn(message.modules)
+            self._learn_now([n for n in message.modules if n in self.to_learn])
         why = self._why_not_forkable()
         if why:
             P.close_fds(fds)

@@ -33,6 +33,8 @@ def load(path):
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(folder, "go")) and time.monotonic() < deadline:
             time.sleep(0.02)
+    elif os.environ.get("SLOW_CALLER"):  # the caller's plain load takes that long
+        time.sleep(float(os.environ["SLOW_CALLER"]))
     return torch.load(path, weights_only=True)
 '''
 
@@ -178,17 +180,52 @@ def test_a_loader_past_the_loader_timeout_is_killed_whatever_its_priority(runtim
         server.stop()
 
 
-def test_a_fill_nobody_waits_for_starts_once_its_caller_is_no_longer_busy(server, slowlib):
-    caller = subprocess.Popen([*_app(slowlib), "4"], env=_env(server, slowlib), stdout=subprocess.PIPE, text=True)
+def test_a_fill_starts_once_its_callers_own_load_returned_even_while_the_caller_stays_busy(server, slowlib):
+    caller = subprocess.Popen([*_app(slowlib), "30"], env=_env(server, slowlib), stdout=subprocess.PIPE, text=True)
     try:
-        assert caller.stdout.readline() == "busy\n"  # its plain load returned; it computes for 4 s
-        time.sleep(2.5)
-        assert not list(slowlib.glob("loader-*")), "the fill started while its caller was busy"
-        assert server.status()["loading"] == 1
-        caller.communicate(timeout=WAIT)
+        assert caller.stdout.readline() == "busy\n"  # its plain load returned; it computes for 30 s
+        pid = _loader_pid(server, slowlib)
+        assert caller.poll() is None, "the fill waited for its caller to end"
+        assert _policies(pid) == {os.SCHED_IDLE}
     finally:
         caller.kill()
-    pid = _loader_pid(server, slowlib)
-    assert _policies(pid) == {os.SCHED_IDLE}
     assert f"after its miss (caller pid {caller.pid})" in server.log()
+    assert _go(server, slowlib)["entries"] == 1
+
+
+def _fill_running_for(server: ServerProcess, folder, seconds: float) -> int:
+    """The loader's pid once the fill has run ``seconds`` (Note [Joining a fill] weighs that)."""
+    pid = _loader_pid(server, folder)
+    started = (folder / f"loader-{pid}").stat().st_mtime
+    while time.time() - started < seconds:
+        time.sleep(0.05)
+    return pid
+
+
+def test_a_caller_that_finds_its_key_filling_joins_the_fill_when_it_should_end_sooner(server, slowlib):
+    _call(server, slowlib, SLOW_CALLER="1.5")  # plain load: 1.5 s, told to the server
+    _fill_running_for(server, slowlib, 1.6)  # expected to end within one more plain load
+    second = subprocess.Popen(_app(slowlib), env=_env(server, slowlib, SLOW_CALLER="1.5"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + WAIT
+        while "waits for it" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.02)  # it joined: its wait lifted the fill's priority
+        (slowlib / "go").touch()
+        out, err = second.communicate(timeout=WAIT)
+    finally:
+        second.kill()
+    assert second.returncode == 0, err
+    assert out.strip().splitlines()[-1] == '{"w": [0.0, 1.0, 2.0, 3.0]}'
+    status = server.wait_idle()
+    assert (status["misses"], status["hits"], status["joined"]) == (1, 1, 1), server.log()[-3000:]
+    assert "joined the fill" in server.log() and ": served" in server.log()
+
+
+def test_a_joined_fill_that_runs_late_is_left_after_one_plain_load_time(server, slowlib):
+    _call(server, slowlib, SLOW_CALLER="1.0")
+    _fill_running_for(server, slowlib, 1.1)
+    second = _call(server, slowlib, SLOW_CALLER="1.0")  # the fill never ends meanwhile (no go)
+    assert second == {"w": [0.0, 1.0, 2.0, 3.0]}
+    assert "gave up" in server.log() and server.status()["joined"] == 1
     assert _go(server, slowlib)["entries"] == 1

@@ -86,3 +86,72 @@ def test_a_changed_file_the_loader_read_is_a_stale_miss(server, tmp_path):
     status = server.status()
     assert status["stale_misses"] == 2, status
     assert status["hits"] == 3 and status["entries"] == 1
+
+
+def _rewrite_in_place_keeping_the_mtime(path, change) -> None:
+    """What ``rsync --inplace -t`` leaves: new bytes in the same inode, same size, the old mtime."""
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        data = f.read()
+        f.seek(0)
+        f.write(change(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert after.st_ctime_ns != before.st_ctime_ns  # what the kernel sets, whatever utime says
+
+
+LM_DIGEST = """
+import hashlib, json
+import overmind.api
+overmind.api.monkey_patch_all()
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({path!r})
+digest = hashlib.sha256()
+for name, tensor in sorted(model.state_dict().items()):
+    digest.update(name.encode() + tensor.detach().numpy().tobytes())
+print(json.dumps(digest.hexdigest()))
+"""
+
+
+def test_a_rewrite_in_place_with_the_mtime_put_back_is_never_served_stale(server, tmp_path):
+    from overmind import modelgen
+
+    from ..conftest import age_files
+
+    folder = modelgen.save_lm(tmp_path / "lm", seed=7)
+    age_files(folder)
+    code = LM_DIGEST.format(path=str(folder))
+    env = server.client_env(OVERMIND_COLD="wait")
+    old = last_json(run_python(code, env=env))
+    assert last_json(run_python(code, env=env)) == old  # a hit
+    assert server.status()["hits"] == 1
+
+    def flip_4_kib_near_the_end(data: bytes) -> bytes:
+        at = len(data) - 8192
+        return data[:at] + bytes(b ^ 0x55 for b in data[at:at + 4096]) + data[at + 4096:]
+
+    _rewrite_in_place_keeping_the_mtime(folder / "model.safetensors", flip_4_kib_near_the_end)
+    plain = last_json(run_python(code, env=server.client_env(OVERMIND_DISABLE="1")))
+    assert plain != old
+    assert last_json(run_python(code, env=env)) == plain  # a miss: the ctime is in the fingerprint
+    assert last_json(run_python(code, env=env)) == plain  # and the new version is cached
+    assert server.status()["hits"] == 2
+
+
+def test_a_file_the_loader_read_rewritten_in_place_with_the_mtime_put_back_is_a_stale_miss(server, tmp_path):
+    index = tmp_path / "index.json"
+    (tmp_path / "mylib_indexed.py").write_text(textwrap.dedent(INDEXED.format(index=str(index))))
+    old = time.time() - 100
+    os.utime(tmp_path / "mylib_indexed.py", (old, old))
+    index.write_text(json.dumps({"w": [1, 2]}))
+    os.utime(index, (old, old))
+    env = server.client_env(OVERMIND_COLD="wait", OVERMIND_PATCH="mylib_indexed::load_indexed")
+    code = CLIENT.format(lib=str(tmp_path))
+    assert last_json(run_python(code, env=env)) == [1, 2]
+    assert last_json(run_python(code, env=env)) == [1, 2]  # a hit
+    # No argument names the index: only the server's check of the observed files can see this.
+    _rewrite_in_place_keeping_the_mtime(index, lambda data: data.replace(b"[1, 2]", b"[3, 4]"))
+    assert last_json(run_python(code, env=env)) == [3, 4]
+    status = server.status()
+    assert status["stale_misses"] == 1 and status["hits"] == 1, status

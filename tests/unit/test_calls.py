@@ -13,24 +13,45 @@ from overmind.calls import Uncacheable, fingerprint_paths
 def test_a_file_written_just_now_is_racy_and_not_cached(tmp_path):
     path = tmp_path / "w.bin"
     path.write_bytes(b"x" * 16)
-    with pytest.raises(Uncacheable, match="modified less than"):
+    with pytest.raises(Uncacheable, match="modified too recently"):
         fingerprint_paths([str(path)])
     old = time.time() - 60
     os.utime(path, (old, old))
-    assert [entry[0] for entry in fingerprint_paths([str(path)])] == [str(path)]
+    # utime itself changed the ctime just now: racy for one tick (Note [Racy files]), not after.
+    with pytest.raises(Uncacheable, match="modified too recently"):
+        fingerprint_paths([str(path)], now=os.stat(path).st_ctime_ns / 1e9)
+    later = os.stat(path).st_ctime_ns / 1e9 + 1
+    assert [entry[0] for entry in fingerprint_paths([str(path)], now=later)] == [str(path)]
+
+
+def test_a_rewrite_in_place_with_the_mtime_put_back_changes_the_fingerprint(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"a" * 8192)
+    old = time.time() - 60
+    os.utime(path, (old, old))
+    before = fingerprint_paths([str(path)], now=time.time() + 1)
+    stat = os.stat(path)
+    with open(path, "r+b") as f:  # same inode, same size: what rsync --inplace -t does
+        f.seek(4096)
+        f.write(b"b" * 4096)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = fingerprint_paths([str(path)], now=time.time() + 1)
+    assert [entry[:5] for entry in after] == [entry[:5] for entry in before]  # path, size, mtime, inode, device
+    assert after != before
 
 
 def test_a_folder_fingerprint_ignores_bytecode_caches_and_sees_data_files(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"1")
     old = time.time() - 60
     os.utime(tmp_path / "weights.bin", (old, old))
-    before = fingerprint_paths([str(tmp_path)])
+    later = time.time() + 1  # past the ctime that utime just set (Note [Racy files])
+    before = fingerprint_paths([str(tmp_path)], now=later)
     (tmp_path / "__pycache__").mkdir()
     (tmp_path / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"c")
-    assert fingerprint_paths([str(tmp_path)]) == before
+    assert fingerprint_paths([str(tmp_path)], now=later) == before
     (tmp_path / "weights.bin").write_bytes(b"22")
     os.utime(tmp_path / "weights.bin", (old + 1, old + 1))
-    assert fingerprint_paths([str(tmp_path)]) != before
+    assert fingerprint_paths([str(tmp_path)], now=time.time() + 1) != before
 
 
 def _key(**kwargs) -> str:

@@ -21,7 +21,7 @@ from overmind import protocol as P
 
 HELLO_FRAME = (
     b"OVMD"  # magic
-    b"\x03\x00"  # protocol version 3
+    b"\x04\x00"  # protocol version 4
     b"\x01\x00"  # type 1: Hello
     b"\x40\x00\x00\x00"  # json_len 64
     b"\x00\x00\x00\x00\x00\x00\x00\x00"  # blob_len 0
@@ -29,12 +29,12 @@ HELLO_FRAME = (
 )
 
 LOAD_FIELDS = (b'{"context":{"cwd":"/"},"description":"f(1)","key":"k1","lookup_only":true,'
-               b'"modules":["torch"],"refs":["r"],"target":"m:f","wait":false}')
+               b'"modules":["torch"],"program":"p","refs":["r"],"target":"m:f","wait":false}')
 LOAD_FRAME = (
     b"OVMD"
-    b"\x03\x00"  # protocol version 3
+    b"\x04\x00"  # protocol version 4
     b"\x0a\x00"  # type 10: Load
-    b"\x87\x00\x00\x00"  # json_len 135
+    b"\x95\x00\x00\x00"  # json_len 149
     b"\x04\x00\x00\x00\x00\x00\x00\x00"  # blob_len 4 (the blob follows the frame, sent separately)
     + LOAD_FIELDS
 )
@@ -47,23 +47,24 @@ def test_hello_frame_bytes_are_pinned():
 
 def test_load_frame_with_blob_bytes_are_pinned():
     message = P.Load(key="k1", target="m:f", description="f(1)", context={"cwd": "/"}, refs=["r"],
-                     lookup_only=True, modules=["torch"], wait=False)
+                     lookup_only=True, modules=["torch"], wait=False, program="p")
     frame = P.encode_frame(message, b"BLOB")
     assert frame == LOAD_FRAME
-    assert len(LOAD_FIELDS) == 0x87
+    assert len(LOAD_FIELDS) == 0x95
 
 
 def test_header_layout_is_pinned():
     assert P.HEADER.format == "<4sHHIQ"
     assert P.HEADER.size == 20
     assert P.MAGIC == b"OVMD"
-    assert P.PROTOCOL_VERSION == 3
+    assert P.PROTOCOL_VERSION == 4
 
 
 def test_message_type_codes_never_change():
     assert {code: cls.__name__ for code, cls in P.MESSAGE_TYPES.items()} == {
         1: "Hello", 2: "Welcome", 3: "Error",
         10: "Load", 11: "Entry", 12: "GetFds", 13: "Fds", 14: "Pending", 15: "GetContents", 16: "Contents",
+        17: "PlainLoaded", 18: "Prefetch", 19: "PrefetchReply",
         20: "Status", 21: "StatusReply", 22: "ListEntries", 23: "EntryList", 24: "Evict", 25: "Evicted",
         26: "Shutdown", 27: "Ok", 28: "Prepare",
         30: "Run", 31: "RunRefused", 32: "RunStarted", 33: "RunExited",
@@ -109,6 +110,11 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.Shutdown(), b""),
     (P.Ok(), b""),
     (P.Prepare(context={"python": "/usr/bin/python3", "cwd": "/", "sys_path": [], "env": {}}), b""),
+    (P.Prepare(context={"python": "/usr/bin/python3", "cwd": "/", "sys_path": [], "env": {}},
+               modules=["torch", "diffusers"]), b""),
+    (P.PlainLoaded(key="k", seconds=0.54), b""),
+    (P.Prefetch(program="0" * 32), b""),
+    (P.PrefetchReply(server_pid=9, entries=[["k", [[5, 4096, 45, 1001], None]]]), b""),
     (P.Run(context={"python": "/usr/bin/python3", "env": {"HF_HOME": "/h"}},
            spec={"mode": "script", "target": "/a/b.py", "argv": ["-x"], "cwd": "/a", "env": {"A": "1"}, "umask": 18}),
      b""),

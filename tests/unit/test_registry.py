@@ -147,3 +147,19 @@ def test_thousands_of_entries_list_over_a_real_socket():
         message, blob, _ = P.recv_message(b)
         sender.join()
     assert message.count == 5000 and len(json.loads(blob)) == 5000
+
+
+def test_a_programs_last_process_is_what_its_next_process_is_told():
+    from overmind.programs import MAX_KEYS, ProgramHistory
+
+    history = ProgramHistory()
+    for key in ("a", "b", "a"):
+        history.record("prog", 100, key)
+    assert history.last("prog", 101) == ["a", "b"]  # the next process asks before it loads
+    history.record("prog", 101, "c")
+    assert history.last("prog", 102) == ["c"]
+    assert history.last("prog", 101) == ["a", "b"]  # asking again from 101: its predecessor's
+    assert history.last("other", 1) == []
+    for i in range(MAX_KEYS + 10):
+        history.record("big", 7, f"k{i}")
+    assert len(history.last("big", 8)) == MAX_KEYS

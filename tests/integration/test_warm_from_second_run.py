@@ -1,0 +1,93 @@
+"""The second run is warm: prefetch of what a program loaded last time, imports taught while
+the first run imports, and a caller that joins a fill instead of loading plainly.
+
+Note [Prefetch] in overmind.prefetch, Note [Teaching the interpreter while importing] there,
+Note [Joining a fill] in overmind.server. Real server, real scripts run as fresh processes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ..conftest import age_files
+from .conftest import last_json
+
+OVERMIND = str(Path(sys.executable).parent / "overmind")
+
+SCRIPT = """
+import json, sys, time
+import overmind.api
+overmind.api.monkey_patch_all()
+import xml.dom.minidom  # an installed module the warm interpreter lacks: taught while importing
+from safetensors.torch import load_file
+from overmind import prefetch
+
+deadline = time.monotonic() + 30
+while prefetch.stats["prepared"] == 0 and time.monotonic() < deadline and len(sys.argv) > 2:
+    time.sleep(0.01)  # the test asked for a prefetch: let the background thread prepare it
+w = load_file(sys.argv[1])["w"]
+print(json.dumps({"sum": float(w.double().sum()), "first": w[:4].tolist(), **prefetch.stats}))
+"""
+
+
+@pytest.fixture
+def program(tmp_path):
+    script = tmp_path / "app.py"
+    script.write_text(SCRIPT)
+    weights = tmp_path / "w.safetensors"
+    save_file({"w": torch.arange(300_000, dtype=torch.float32)}, str(weights))
+    age_files(weights)
+    return script, weights
+
+
+def _run(server, script, weights, *more) -> dict:
+    proc = subprocess.run([sys.executable, str(script), str(weights), *more], env=server.client_env(),
+                          capture_output=True, text=True, timeout=120, cwd=script.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning: overmind" not in proc.stderr, proc.stderr[-3000:]
+    return last_json(proc)
+
+
+def test_the_next_run_of_a_program_maps_what_it_loaded_before_its_load(server, program):
+    script, weights = program
+    first = _run(server, script, weights)
+    assert first["prepared"] == 0  # no history yet
+    server.wait_idle()
+    second = _run(server, script, weights, "expect-prefetch")
+    assert second["prepared"] >= 1 and second["used"] == second["prepared"]
+    assert (second["sum"], second["first"]) == (first["sum"], first["first"])
+    assert server.status()["hits"] >= 1
+
+
+def test_a_prefetched_entry_whose_file_changed_is_never_used(server, program):
+    script, weights = program
+    _run(server, script, weights)
+    server.wait_idle()
+    save_file({"w": torch.arange(300_000, dtype=torch.float32) * 2}, str(weights))  # a new model, same path
+    age_files(weights)
+    changed = _run(server, script, weights)
+    assert changed["prepared"] == 0  # the stale entry is evicted, never mapped
+    assert changed["first"] == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_imports_of_the_first_run_are_warm_in_the_next_overmind_run(server, program):
+    script, weights = program
+    _run(server, script, weights)
+    probe = [OVERMIND, "run", "-c", "import sys; print('xml.dom.minidom' in sys.modules, flush=True)"]
+    deadline = time.monotonic() + 60
+    while True:  # the interpreter imports what it was taught between forks, at idle priority
+        before = server.status()["runs"]
+        out = subprocess.run(probe, env=server.client_env(), capture_output=True, text=True, timeout=120).stdout
+        forked = server.status()["runs"] == before + 1
+        if (forked and out == "True\n") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert forked and out == "True\n", server.log()[-3000:]
