@@ -319,6 +319,9 @@ def _fetch(config: "Config", target: "Target", call) -> tuple[Any, Any, str]:
                 request = P.Load(rng_key(call.key, digest), target.name, call.description, _context(),
                                  call.refs, modules=target.modules, wait=config.cold_wait, program=program_id())
                 continue
+            from overmind.client import unreadable  # Note [A hit needs the caller's read permission]
+            if (denied := unreadable(meta.files, call.paths)) is not None:
+                raise NotWorthCaching(f"this process cannot read {denied}")
             references = dict(call.ref_objects)
             for key in meta.references:
                 if key not in references:

@@ -51,7 +51,7 @@ from overmind.memfd import Segment
 logger = logging.getLogger(__name__)
 
 __all__ = ["Connection", "ServerUnavailable", "CachePending", "SegmentChanged", "StaleConnection", "start_server",
-           "server_holding", "START_TIMEOUT"]
+           "server_holding", "START_TIMEOUT", "unreadable"]
 
 START_TIMEOUT = 30.0
 
@@ -357,3 +357,35 @@ def _close_all(mappings: list) -> None:
     for m in mappings:
         if m is not None:
             m.close()
+
+
+# Note [A hit needs the caller's read permission]
+# The server checks that an entry's files are unchanged, not that this caller may read them:
+# it stats them with its own credentials, and the entry may have been filled for an earlier
+# caller. A hit must not hand over the bytes of a file the caller could not read itself: a
+# model chmod-ed 000 after caching, a folder of a group the caller has left, a process that
+# dropped CAP_DAC_OVERRIDE beside a root server. So before mapping anything, the client opens
+# for reading, with its own credentials, every file the plain call would read: the entry's
+# observed files (Note [Observed files] in overmind.loader) and the paths its arguments name.
+# Opening rather than access(2): the kernel decides as for the plain call's own open (modes,
+# ACLs, capabilities, LSMs, a network filesystem's server), where access(2) judges by the
+# real uid and glibc's faccessat(AT_EACCESS) fallback lets uid 0 through whatever its
+# capabilities. If one open fails the hit is declined and the caller runs the original, which
+# raises plain's own exception; no overmind warning, since plain raises too. Nothing is read:
+# one open and close per file. A folder argument must be listable, which a plain load that only
+# looks names up in it does not need: that rare caller pays a plain load, never a wrong hit.
+_PROBE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY  # a FIFO or tty must not block or attach
+
+
+def unreadable(files: list, paths: list) -> Optional[str]:
+    """The first of an entry's observed ``files`` (``LoadMeta.files`` records) and argument
+    ``paths`` this process cannot open for reading now, or None: Note [A hit needs the
+    caller's read permission]."""
+    for path in [record[0] if isinstance(record, list) and record else record for record in files] + list(paths):
+        if not isinstance(path, str):
+            return repr(path)[:200]
+        try:
+            os.close(os.open(path, _PROBE_FLAGS))
+        except (OSError, ValueError):  # ValueError: a NUL in the path
+            return path
+    return None

@@ -153,13 +153,20 @@ class CacheEntry:
         self.slots = [None for _ in self.slots]
 
     def fresh(self) -> bool:
-        """Do the files the loader read still have the size, mtime, inode and device it saw?"""
-        for path, size, mtime_ns, ino, dev in self.meta.get("files", ()):
+        """Do the files the loader read still have the size, mtime, inode, device and ctime it
+        saw? The ctime catches a rewrite in place with the mtime put back (Note [What a
+        fingerprint cannot see] in overmind.calls). A record of another shape is from a loader
+        that is not ours: stale, so the call loads again rather than trusting it."""
+        for record in self.meta.get("files", ()):
+            if not isinstance(record, list) or len(record) != 6 or not isinstance(record[0], str):
+                return False
+            path, size, mtime_ns, ino, dev, ctime_ns = record
             try:
                 st = os.stat(path)
-            except OSError:
+            except (OSError, ValueError):  # ValueError: a NUL in the path
                 return False
-            if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != (size, mtime_ns, ino, dev):
+            if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns) != \
+                    (size, mtime_ns, ino, dev, ctime_ns):
                 return False
         return True
 
