@@ -245,6 +245,15 @@ def wait_for(sock: socket.socket, pid: int) -> int:
             return message.status
 
 
+def _teaching_env() -> dict:
+    """The environment of a run that goes plain, with overmind.first_run first on PYTHONPATH:
+    Note [The first run teaches] in overmind.first_run.sitecustomize (which puts it back)."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "first_run")
+    old = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=here + (os.pathsep + old if old else ""),
+                OVERMIND_FIRST_RUN_PYTHONPATH="" if old is None else "=" + old)  # "": there was none
+
+
 def exit_like(status: int) -> None:
     """Leave as the child did: its exit code, or death by its signal (the shell then reports 128+n)."""
     import signal
@@ -288,7 +297,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         try:
-            os.execv(plain[0], plain)
+            os.execve(plain[0], plain, os.environ if flag("OVERMIND_DISABLE") else _teaching_env())
         except OSError as err:
             print(f"overmind run: cannot run {plain[0]}: {err.strerror}", file=sys.stderr)
             return 127

@@ -91,3 +91,36 @@ def test_imports_of_the_first_run_are_warm_in_the_next_overmind_run(server, prog
             break
         time.sleep(0.2)
     assert forked and out == "True\n", server.log()[-3000:]
+
+
+FIRST_RUN = """
+import json, os, sys
+import xml.dom.minidom
+print(json.dumps({"pythonpath": os.environ.get("PYTHONPATH"), "saved": os.environ.get("OVERMIND_FIRST_RUN_PYTHONPATH"),
+                  "path": [p for p in sys.path if "first_run" in p], "path0": sys.path[0]}))
+"""
+
+
+@pytest.mark.parametrize("pythonpath", [None, "/nonexistent/overmind-test"])
+def test_the_first_overmind_run_of_a_context_teaches_its_imports_and_stays_plain(server, tmp_path, pythonpath):
+    script = tmp_path / "first.py"
+    script.write_text(FIRST_RUN)
+    env = server.client_env(HF_OVERMIND_TEST_CONTEXT=tmp_path.name)  # a context no run used yet
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    else:
+        env.pop("PYTHONPATH", None)
+    before = server.status()["runs"]
+    first = subprocess.run([OVERMIND, "run", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0 and server.status()["runs"] == before, first.stderr  # it went plain
+    assert last_json(first) == {"pythonpath": pythonpath, "saved": None, "path": [], "path0": str(tmp_path)}
+    probe = [OVERMIND, "run", "-c", "import sys; print('xml.dom.minidom' in sys.modules, flush=True)"]
+    deadline = time.monotonic() + 60
+    while True:
+        before = server.status()["runs"]
+        out = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=120).stdout
+        forked = server.status()["runs"] == before + 1
+        if (forked and out == "True\n") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert forked and out == "True\n", server.log()[-3000:]
