@@ -10,7 +10,7 @@
                                     $XDG_RUNTIME_DIR/overmind, /tmp/overmind-<uid>)
 
 ``overmind-list`` and ``overmind-shutdown`` are ``overmind list`` and ``overmind shutdown``;
-``python -m overmind.cli`` works too. The command never starts a server.
+``python -m overmind`` (and ``python -m overmind.cli``) works too. Only ``run`` starts a server.
 
 Exit status: 0 done; 1 the server refused or nothing matched; 2 bad usage or settings;
 3 no server is running (``shutdown`` exits 0 then: there is nothing to stop). ``status``
@@ -28,10 +28,13 @@ import sys
 import time
 from typing import Callable, Optional
 
+from overmind import config as settings
 from overmind import hugepages
 from overmind import protocol as P
 from overmind.client import Connection, ServerUnavailable, server_holding
 from overmind.config import Config, ConfigError, read_runtime_file
+from overmind.run import leave_for_closed_stdout, run_arguments, stdout_closed
+from overmind.run import main as run_main
 
 __all__ = ["main", "list_main", "shutdown_main", "human_bytes", "human_duration"]
 
@@ -215,10 +218,14 @@ def _accepting(path: str) -> bool:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
+        return True
+    try:  # a zombie has exited; only its parent's wait is left (a supervisor may take its time)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
         return True
 
 
@@ -337,11 +344,39 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("key", nargs="?", metavar="KEY", help="a key or a unique prefix of one")
     which.add_argument("--all", action="store_true", help="every entry")
     sub.add_parser("shutdown", parents=[common], help="stop the server and wait until it has stopped")
+    # Listed for `overmind --help` only: overmind.run.command takes `run` before this parser is
+    # built (Note [A light front end] in overmind.run); its own help is `overmind run -h`.
+    sub.add_parser("run", add_help=False, help="run a script like python, forked from a warm interpreter "
+                   "(`overmind run -h`)").add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The ``overmind`` command; its exit status. Note [A closed stdout is not an error] in overmind.run."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # output still buffered fails here, not in the interpreter's exit
+    except BrokenPipeError as err:
+        if not stdout_closed(err):
+            raise
+        leave_for_closed_stdout()
+        raise AssertionError("unreachable") from None
+
+
+def _main(argv: list[str]) -> int:
+    run_args = run_arguments(argv)
+    if run_args is not None:  # `python -m overmind.cli run ...`; the console script never gets here
+        return run_main(run_args)
     args = build_parser().parse_args(argv)
+    if args.command == "run":  # not reached: run_arguments takes every form argparse would take
+        if args.runtime_dir:
+            os.environ["OVERMIND_RUNTIME_DIR"] = os.path.abspath(args.runtime_dir)
+        return run_main(args.args)
+    # Note [A bad setting never stops a script] in overmind.config: said on the user's stderr.
+    settings.report = lambda message: print(f"overmind: {message}", file=sys.stderr)
     env = dict(os.environ)
     if args.runtime_dir:
         env["OVERMIND_RUNTIME_DIR"] = args.runtime_dir
@@ -364,6 +399,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"overmind: {err.message if err.code == P.ErrorCode.BAD_REQUEST else err}", file=sys.stderr)
         return EXIT_FAILED
     except (P.ProtocolError, EOFError, OSError) as err:
+        if stdout_closed(err):  # our reader left, not the server: Note [A closed stdout is not an error]
+            raise
         print(f"overmind: lost the server at {config.socket_path}: {err}", file=sys.stderr)
         return EXIT_FAILED
 

@@ -32,7 +32,7 @@ Standard library only (the server imports it)::
                            background, to get a loader ready for this process.
 ``OVERMIND_MAX_MEMORY``    server memory budget: ``40G``, ``512M``, ``60%`` of RAM or bytes
                            (default 50% of RAM); least recently used entries are evicted.
-``OVERMIND_LOG_LEVEL``     server log level (default INFO).
+``OVERMIND_LOG_LEVEL``     server log level: DEBUG, INFO (default), WARNING, ERROR or CRITICAL.
 ``OVERMIND_WARM_MAX``      warm interpreters kept at once, one per context (default 4).
 ``OVERMIND_WARM_IDLE``     seconds an unused warm interpreter is kept (default 1800).
 ``OVERMIND_WARM_MEMORY``   memory all warm interpreters may hold together, as PSS (default 8G).
@@ -41,6 +41,10 @@ Standard library only (the server imports it)::
 ``OVERMIND_NO_EXT``        ``1``: install and run without the compiled ``overmind._C``
                            (read by ``setup.py`` and ``overmind.native``).
 =========================  =========================================================
+
+Yes/no settings take ``1``, ``true``, ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off``
+(any case; unset or empty is the default). A bad value is named with what is accepted and
+never stops a script: Note [A bad setting never stops a script].
 """
 
 from __future__ import annotations
@@ -48,14 +52,16 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
     from pathlib import Path
-    from typing import Optional
+    from typing import Callable, Optional
 
 __all__ = ["Config", "ConfigError", "default_runtime_dir", "ensure_private_dir", "open_runtime_file",
            "write_runtime_file", "read_runtime_file", "patching_disabled", "prestart_enabled",
-           "extra_patch_points", "ENV_PREFIXES", "ENV_NAMES"]
+           "extra_patch_points", "flag", "ENV_PREFIXES", "ENV_NAMES", "FLAG_SPELLINGS", "LOG_LEVELS", "COLD_MODES"]
 
 # Environment a loader inherits from the client (and that selects its zygote).
 ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "CUDA_", "NVIDIA_", "TORCH_", "PYTORCH_",
@@ -82,25 +88,83 @@ class ConfigError(ValueError):
     pass
 
 
-def _flag(env, name: str) -> bool:
-    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+# Note [A bad setting never stops a script]
+# Every OVERMIND_* value is read here, and a bad one is told in one message that names the
+# variable, the value and what is accepted. What happens next depends on the setting:
+# - A yes/no setting (flag()) that is none of FLAG_SPELLINGS warns once per process and acts
+#   as its default: it is read everywhere, some on every load, and reading it never raises.
+# - OVERMIND_PATCH: a bad item warns once and is skipped; the good ones are patched.
+# - Any other bad value makes Config.from_env raise ConfigError, with every bad value in it.
+#   A client's load then runs plainly with one warning (OVERMIND_STRICT=1 raises, as for any
+#   fallback: overmind.api), ``overmind run`` runs plain python and says why, the ``overmind``
+#   command exits 2 saying why, and overmind-server refuses to start, saying why on stderr
+#   (which reaches whoever started it) and in its log (where clients point). It refuses
+#   rather than run on a default: a server is configured on purpose (a unit file, a deploy),
+#   and one that runs with a memory budget or worker count nobody asked for fails later and
+#   far from the typo, while its clients, sharing the environment, load plainly and say the
+#   same thing.
+FLAG_SPELLINGS = "1, true, yes, on; 0, false, no, off or empty"
+_YES = ("1", "true", "yes", "on")
+_NO = ("", "0", "false", "no", "off")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+COLD_MODES = ("background", "wait")
+
+# Where a bad yes/no value is told; None: ``warnings.warn``, pointing at the user's code. A
+# front end whose stderr is the user's terminal (``overmind``, ``overmind run``) prints it.
+report: Optional[Callable[[str], None]] = None
+_told: dict = {}  # the messages already told in this process: each is told once
 
 
-def flag(name: str, env=None) -> bool:
-    """A yes/no ``OVERMIND_*`` setting read straight from the environment (``1``, ``true``, ``yes``, ``on``)."""
-    return _flag(os.environ if env is None else env, name)
+def _tell(message: str, notes: Optional[list] = None) -> None:
+    if notes is not None:  # the server logs them once its log is set up
+        notes.append(message)
+        return
+    token = object()
+    if _told.setdefault(message, token) is not token:  # atomic: two threads never both tell it
+        return
+    if report is not None:
+        report(message)
+        return
+    import warnings
+
+    # The first frame outside overmind: the user's monkey_patch_all() or load call.
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "overmind":
+        frame, level = frame.f_back, level + 1
+    warnings.warn(f"overmind: {message}", RuntimeWarning, stacklevel=level)
 
 
-def _number(env, name: str, default: float, minimum: float = 0.0) -> float:
+def _flag(env, name: str, default: bool = False, notes: Optional[list] = None) -> bool:
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in _YES:
+        return True
+    if value in _NO:
+        return default if not value else False
+    _tell(f"{name}={raw!r} is not a yes/no value (accepted: {FLAG_SPELLINGS}); "
+          f"using the default ({'yes' if default else 'no'})", notes)
+    return default
+
+
+def flag(name: str, env=None, default: bool = False) -> bool:
+    """A yes/no ``OVERMIND_*`` setting read straight from the environment: ``1``, ``true``,
+    ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off``; unset or empty is ``default``. Any other
+    value warns once and acts as ``default``: Note [A bad setting never stops a script]."""
+    return _flag(os.environ if env is None else env, name, default)
+
+
+def _number(env, name: str, default: float, minimum: float, whole: bool = False) -> float:
     raw = env.get(name, "").strip()
     if not raw:
         return default
+    what = "a whole number" if whole else "a number of seconds"
+    accepted = f"accepted: {what}, at least {minimum:g}; default {default:g}"
     try:
-        value = float(raw)
+        value = int(raw) if whole else float(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if value < minimum:
-        raise ConfigError(f"{name}={raw!r} must be at least {minimum}")
+        raise ConfigError(f"{name}={raw!r} is not {what} ({accepted})") from None
+    if not minimum <= value < float("inf"):  # also refuses nan and inf
+        raise ConfigError(f"{name}={raw!r} is out of range ({accepted})")
     return value
 
 
@@ -113,7 +177,17 @@ def _size(env, name: str) -> Optional[int]:
     try:
         return parse_size(raw)
     except ValueError as err:
-        raise ConfigError(f"{name}: {err}") from None
+        accepted = "" if "40G" in str(err) else " (accepted: 40G, 512M, 60% of RAM or a number of bytes)"
+        raise ConfigError(f"{name}={raw!r} is not a size: {err}{accepted}") from None
+
+
+def _choice(env, name: str, choices: tuple, default: str, fold=str.lower) -> str:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    if fold(raw) not in choices:
+        raise ConfigError(f"{name}={raw!r} is not a choice (accepted: {', '.join(choices)}; default {default})")
+    return fold(raw)
 
 
 def runtime_dir_path(env=None) -> str:
@@ -275,24 +349,41 @@ class Config:
         return "Config(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__) + ")"
 
     @classmethod
-    def from_env(cls, env=None) -> "Config":
+    def from_env(cls, env=None, notes: Optional[list] = None) -> "Config":
+        """The settings in ``env`` (default ``os.environ``). ConfigError names every bad value;
+        a bad yes/no value warns (or goes to ``notes``) and acts as its default: Note [A bad
+        setting never stops a script]."""
         env = os.environ if env is None else env
+        values: dict = {}
+        errors: list[str] = []
+
+        def read(name: str, parse, *args) -> None:
+            try:
+                values[name] = parse(env, *args)
+            except ConfigError as err:
+                errors.append(str(err))
+
+        strict = _flag(env, "OVERMIND_STRICT", notes=notes)
+        read("timeout", _number, "OVERMIND_TIMEOUT", 300.0, 0.1)
+        read("reply_timeout", _number, "OVERMIND_REPLY_TIMEOUT", 2.0, 0.1)
+        read("loader_timeout", _number, "OVERMIND_LOADER_TIMEOUT", 3600.0, 1.0)
+        read("workers", _number, "OVERMIND_WORKERS", 2, 1, True)
+        read("cold", _choice, "OVERMIND_COLD", COLD_MODES, "background")
+        read("log_level", _choice, "OVERMIND_LOG_LEVEL", LOG_LEVELS, "INFO", str.upper)
+        read("max_memory", _size, "OVERMIND_MAX_MEMORY")
+        read("warm_max", _number, "OVERMIND_WARM_MAX", 4, 1, True)
+        read("warm_idle", _number, "OVERMIND_WARM_IDLE", 1800.0, 1.0)
+        read("warm_memory", _size, "OVERMIND_WARM_MEMORY")
+        read("fill_yield", _number, "OVERMIND_FILL_YIELD", 120.0, 0.0)
+        if errors:
+            raise ConfigError("; ".join(errors))
         return cls(
             runtime_dir=default_runtime_dir(env),
-            disable=patching_disabled(env),
-            strict=_flag(env, "OVERMIND_STRICT"),
-            timeout=_number(env, "OVERMIND_TIMEOUT", 300.0, 0.1),
-            reply_timeout=_number(env, "OVERMIND_REPLY_TIMEOUT", 2.0, 0.1),
-            loader_timeout=_number(env, "OVERMIND_LOADER_TIMEOUT", 3600.0, 1.0),
-            workers=int(_number(env, "OVERMIND_WORKERS", 2, 1)),
-            autostart=not _flag(env, "OVERMIND_NO_AUTOSTART"),
-            cold_wait=env.get("OVERMIND_COLD", "background").strip().lower() == "wait" or _flag(env, "OVERMIND_STRICT"),
-            log_level=env.get("OVERMIND_LOG_LEVEL", "INFO").upper(),
-            max_memory=_size(env, "OVERMIND_MAX_MEMORY"),
-            warm_max=int(_number(env, "OVERMIND_WARM_MAX", 4, 1)),
-            warm_idle=_number(env, "OVERMIND_WARM_IDLE", 1800.0, 1.0),
-            warm_memory=_size(env, "OVERMIND_WARM_MEMORY") or 8 << 30,
-            fill_yield=_number(env, "OVERMIND_FILL_YIELD", 120.0, 0.0),
+            disable=_flag(env, "OVERMIND_DISABLE", notes=notes),
+            strict=strict,
+            autostart=not _flag(env, "OVERMIND_NO_AUTOSTART", notes=notes),
+            cold_wait=values.pop("cold") == "wait" or strict,
+            **{**values, "warm_memory": values["warm_memory"] or 8 << 30},
         )
 
     @property
@@ -323,15 +414,32 @@ class Config:
 
 def patching_disabled(env=None) -> bool:
     """``OVERMIND_DISABLE``."""
-    return _flag(os.environ if env is None else env, "OVERMIND_DISABLE")
+    return flag("OVERMIND_DISABLE", env)
 
 
 def prestart_enabled(env=None) -> bool:
     """``OVERMIND_PRESTART`` (default on)."""
-    raw = (os.environ if env is None else env).get("OVERMIND_PRESTART", "1")
-    return raw.strip().lower() not in ("0", "false", "no", "off")
+    return flag("OVERMIND_PRESTART", env, default=True)
 
 
 def extra_patch_points(env=None) -> str:
-    """``OVERMIND_PATCH``: extra patch points, ``module::Qualname.attr``, comma separated."""
-    return (os.environ if env is None else env).get("OVERMIND_PATCH", "")
+    """``OVERMIND_PATCH``: extra patch points, ``module::Qualname.attr``, comma separated. A bad
+    item warns once and is left out (Note [A bad setting never stops a script]); the rest, comma
+    separated, is returned."""
+    raw = (os.environ if env is None else env).get("OVERMIND_PATCH", "")
+    if not raw.strip():
+        return raw
+    from overmind.patching import PatchPoint
+
+    good = []
+    for item in raw.split(","):
+        if not item.strip():
+            continue
+        try:
+            PatchPoint.parse(item)
+        except ValueError as err:
+            _tell(f"OVERMIND_PATCH: {err}; that item is ignored (accepted: module::Qualname.attr, "
+                  "comma separated)")
+            continue
+        good.append(item.strip())
+    return ",".join(good)

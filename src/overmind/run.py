@@ -39,10 +39,23 @@ if TYPE_CHECKING:
 # Note [A light front end]: the plain path (no server) imports neither the protocol nor signal;
 # both are imported by the functions that talk to a server.
 
-__all__ = ["main", "command", "parse", "run_spec", "hand_off", "wait_for", "exit_like"]
+__all__ = ["main", "command", "parse", "run_spec", "hand_off", "wait_for", "exit_like", "run_arguments"]
 
-USAGE = "usage: overmind run [--python PATH] (SCRIPT | -m MODULE | -c CODE) [ARGS...]"
+USAGE = "usage: overmind run [-h] [--python PATH] (SCRIPT | -m MODULE | -c CODE) [ARGS...]"
+HELP = USAGE + """
 
+Run a script as `python` would, forked from a warm interpreter of overmind-server that has
+already imported what the script imports. Arguments, working directory, environment, stdio,
+signals and exit status are the script's. Without a server, or before one is warm for this
+interpreter and environment, it runs plain python (and gets the server ready for next time).
+
+options:
+  -h, --help     show this help message and exit
+  --python PATH  the interpreter to run the script with (default: the one running overmind)
+
+Options before `run` are the overmind command's: `overmind --runtime-dir DIR run ...` uses the
+server in DIR. Python's own options go in PYTHON* variables (PYTHONWARNINGS, PYTHONOPTIMIZE...).
+"""
 
 
 def _signals() -> tuple[tuple, tuple]:
@@ -61,17 +74,21 @@ class UsageError(ValueError):
     pass
 
 
+class HelpWanted(Exception):
+    """``-h`` or ``--help`` before what to run (after it, they are the script's)."""
+
+
 def parse(argv: list[str]) -> tuple[str, str, str, list[str]]:
     """(python, mode, target, args) from ``overmind run``'s arguments."""
     python = sys.executable
     rest = list(argv)
-    while rest and rest[0] == "--python":
-        if len(rest) < 2:
+    while rest and (rest[0] in ("--python", "-h", "--help") or rest[0].startswith("--python=")):
+        option = rest.pop(0)
+        if option in ("-h", "--help"):
+            raise HelpWanted
+        python = option.split("=", 1)[1] if "=" in option else rest.pop(0) if rest else ""
+        if not python:
             raise UsageError("--python needs a path")
-        python = rest[1]
-        rest = rest[2:]
-    if rest and rest[0].startswith("--python="):
-        python = rest.pop(0).split("=", 1)[1]
     if not rest:
         raise UsageError("nothing to run")
     head = rest.pop(0)
@@ -270,12 +287,17 @@ def exit_like(status: int) -> None:
 def main(argv: list[str]) -> int:
     try:
         python, mode, target, args = parse(argv)
+    except HelpWanted:
+        return print_or_leave(HELP)
     except UsageError as err:
         print(f"overmind run: {err}\n{USAGE}", file=sys.stderr)
         return 2
     plain = _plain_argv(python, mode, target, args)
+    from overmind import config as settings
     from overmind.config import Config, ConfigError, flag, runtime_dir_path
 
+    # Note [A bad setting never stops a script] in overmind.config: said here on the user's stderr.
+    settings.report = lambda message: print(f"overmind run: {message}", file=sys.stderr)
     started = None
     if flag("OVERMIND_DISABLE"):
         pass
@@ -284,8 +306,8 @@ def main(argv: list[str]) -> int:
         if not flag("OVERMIND_NO_AUTOSTART"):
             try:
                 _start_server_in_background(Config.from_env())
-            except ConfigError:
-                pass
+            except ConfigError as err:
+                print(f"overmind run: {err}; running plainly, no server started", file=sys.stderr)
     else:
         try:
             config = Config.from_env()
@@ -306,13 +328,83 @@ def main(argv: list[str]) -> int:
     return 1  # unreachable
 
 
-def command() -> int:
-    """The ``overmind`` console script: ``run`` stays here, light; the rest is overmind.cli."""
-    if sys.argv[1:2] == ["run"]:
-        return main(sys.argv[2:])
+def command(argv: list[str] | None = None) -> int:
+    """The ``overmind`` console script and ``python -m overmind``: ``run`` stays here, light
+    (Note [A light front end]: no argparse); the rest is overmind.cli."""
+    argv = sys.argv[1:] if argv is None else argv
+    run_args = run_arguments(argv)
+    if run_args is not None:
+        return main(run_args)
     from overmind.cli import main as cli_main
 
-    return cli_main(sys.argv[1:])
+    return cli_main(argv)
+
+
+def run_arguments(argv: list[str]) -> list[str] | None:
+    """``run``'s own arguments when ``argv`` is ``[--runtime-dir DIR]... run ...``, else None (the
+    command is overmind.cli's). DIR goes into the environment: the run, the server it starts
+    and the script's own ``monkey_patch_all()`` all use the server in DIR."""
+    i, runtime_dir = 0, None
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if len(name) < 3 or not "--runtime-dir".startswith(name):  # argparse takes a unique prefix too
+            break
+        if eq:
+            runtime_dir, i = value, i + 1
+        elif i + 1 < len(argv):
+            runtime_dir, i = argv[i + 1], i + 2
+        else:
+            break
+    if argv[i:i + 1] != ["run"]:
+        return None
+    if runtime_dir:  # empty is unset, as overmind.cli takes it
+        os.environ["OVERMIND_RUNTIME_DIR"] = os.path.abspath(runtime_dir)
+    return argv[i + 1:]
+
+
+# Note [A closed stdout is not an error]
+# ``overmind status | head -1``: once the reader has left, writing our stdout fails with EPIPE
+# (Python ignores SIGPIPE, so the write raises BrokenPipeError instead of killing us). Unix
+# tools die of SIGPIPE there, silently (shells do not report it), so the ``overmind`` command
+# does the same: no traceback, no "lost the server". A BrokenPipeError from the server's socket
+# is a different failure and is reported: the pipe itself tells which one it was.
+
+
+def stdout_closed(err: BaseException) -> bool:
+    """Whether ``err`` means our stdout's reader has left: a pipe without readers polls POLLERR
+    (a socket whose peer has gone, POLLHUP); a failed socket write leaves stdout as it was."""
+    if not isinstance(err, BrokenPipeError):
+        return False
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(1, select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+def leave_for_closed_stdout() -> None:
+    """Die of SIGPIPE, as a Unix tool whose reader left: Note [A closed stdout is not an error]."""
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGPIPE])
+    os.kill(os.getpid(), signal.SIGPIPE)
+    os._exit(128 + signal.SIGPIPE)  # not reached: the signal kills us (os._exit flushes nothing)
+
+
+def print_or_leave(text: str) -> int:
+    """Print ``text`` to stdout; 0, or leave quietly if nobody reads it any more."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError as err:
+        if not stdout_closed(err):
+            raise
+        leave_for_closed_stdout()
+    return 0
 
 
 if __name__ == "__main__":

@@ -563,9 +563,10 @@ class Server:
         return entry
 
 
-def _configure_logging(config: Config, log_fd: int, foreground: bool) -> None:
+def _configure_logging(level: str, log_fd: int, foreground: bool) -> None:
+    """``level`` is one of overmind.config.LOG_LEVELS, checked by Config.from_env."""
     root = logging.getLogger("overmind")
-    root.setLevel(config.log_level)
+    root.setLevel(level)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     handler = logging.StreamHandler(os.fdopen(log_fd, "a", buffering=1))
     handler.setFormatter(fmt)
@@ -574,6 +575,16 @@ def _configure_logging(config: Config, log_fd: int, foreground: bool) -> None:
         stream = logging.StreamHandler(sys.stderr)
         stream.setFormatter(fmt)
         root.addHandler(stream)
+
+
+def _refuse_to_start(err: ConfigError, log_fd: int) -> None:
+    """A bad setting or runtime directory: say so on stderr (whoever started us reads it: a
+    client that autostarts us, a unit's journal) and in the log when it could be opened (where
+    clients point), then exit: Note [A bad setting never stops a script] in overmind.config."""
+    print(f"overmind-server: not starting: {err}", file=sys.stderr)
+    if log_fd >= 0:
+        _configure_logging("INFO", log_fd, foreground=False)
+        logger.error("not starting: %s", err)
 
 
 def _limit_malloc_arenas() -> None:
@@ -633,14 +644,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         env["OVERMIND_WORKERS"] = str(args.workers)
     if args.max_memory:
         env["OVERMIND_MAX_MEMORY"] = args.max_memory
+    from overmind.config import default_runtime_dir
+
+    paths = Config(default_runtime_dir(env))  # the runtime dir and log, before the settings are read
+    log_fd = -1
+    notes: list[str] = []  # bad yes/no values: logged once logging is set up
     try:
-        config = Config.from_env(env)
-        ensure_private_dir(config.runtime_dir)
+        ensure_private_dir(paths.runtime_dir)
         # Note [Runtime files are opened, never followed] in overmind.config; opened before
         # detaching, so a refusal reaches the one who started us.
-        log_fd = open_runtime_file(config.log_path, os.O_WRONLY | os.O_APPEND)
+        log_fd = open_runtime_file(paths.log_path, os.O_WRONLY | os.O_APPEND)
+        config = Config.from_env(env, notes=notes)
     except ConfigError as err:
-        print(f"overmind-server: {err}", file=sys.stderr)
+        _refuse_to_start(err, log_fd)
         return 2
 
     ready_read = ready_write = -1
@@ -663,7 +679,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.close(ready_read)
         _daemonize(ready_write)
 
-    _configure_logging(config, log_fd, foreground=not args.daemon)
+    _configure_logging(config.log_level, log_fd, foreground=not args.daemon)
+    for note in notes:
+        logger.warning("%s", note)
     _limit_malloc_arenas()
     server = Server(config)
     try:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from overmind import hugepages
 
@@ -183,3 +186,90 @@ def test_runtime_dir_option_overrides_the_environment(server, runtime_dir, tmp_p
                               text=True, timeout=60, cwd=REPO)
         assert proc.returncode == 0, proc.stderr
         assert _json(proc)["pid"] == server.pid
+
+
+# -- the command behaves as users expect of a Unix command -----------------------------------
+
+OVERMIND = str(Path(sys.executable).parent / "overmind")
+COMMANDS = ("status", "list", "evict", "shutdown", "run")
+
+
+def _overmind(*args: str, env: dict, **kwargs) -> subprocess.CompletedProcess:
+    if "stdout" not in kwargs:
+        kwargs["capture_output"] = True
+    return subprocess.run([OVERMIND, *args], env=env, text=True, timeout=120, cwd=REPO, **kwargs)
+
+
+def test_help_lists_every_command_and_run_has_its_own_help(runtime_dir):
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_NO_AUTOSTART="1")
+    for argv in ([OVERMIND, "--help"], [sys.executable, "-m", "overmind", "--help"]):
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage: overmind "), proc.stderr
+        listed = re.findall(r"^    (\w+) ", proc.stdout, re.MULTILINE)
+        assert sorted(listed) == sorted(COMMANDS), proc.stdout
+    for flag in ("--help", "-h"):
+        for argv in (["run", flag], ["run", "--python", sys.executable, flag], ["--runtime-dir", "/x", "run", flag]):
+            proc = _overmind(*argv, env=env)
+            assert proc.returncode == 0 and proc.stderr == "", (argv, proc.stderr)
+            assert proc.stdout.startswith("usage: overmind run [-h] [--python PATH]") and "--python PATH" in proc.stdout
+    # After what to run, -h is the script's own.
+    proc = _overmind("run", "-c", "import sys; print(sys.argv[1:])", "-h", env=env)
+    assert proc.returncode == 0 and proc.stdout == "['-h']\n", proc.stderr
+
+
+def test_python_dash_m_overmind_is_the_overmind_command(server, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "overmind", "status", "--json"], env=server.env, capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0 and _json(proc)["pid"] == server.pid, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "overmind", "run", "-c", "print('ran')"], env=server.env,
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and proc.stdout == "ran\n", proc.stderr
+
+
+def test_global_options_before_run_reach_the_run_and_its_script(server, tmp_path):
+    # The environment points elsewhere: --runtime-dir (in any form argparse takes) wins, for the
+    # front end and for the script's own monkey_patch_all(), which reads the environment.
+    env = child_env(OVERMIND_RUNTIME_DIR=str(tmp_path / "elsewhere"), OVERMIND_NO_AUTOSTART="1")
+    show = "import os; print(os.environ['OVERMIND_RUNTIME_DIR'])"
+    runs = server.log().count("run for pid ")  # forked, or refused and run plainly
+    for option in (["--runtime-dir", str(server.runtime_dir)], [f"--runtime-dir={server.runtime_dir}"],
+                   ["--runtime", str(server.runtime_dir)]):
+        proc = _overmind(*option, "run", "-c", show, env=env)
+        assert proc.returncode == 0 and proc.stdout == f"{server.runtime_dir}\n", (option, proc.stderr)
+    assert server.log().count("run for pid ") == runs + 3, server.log()[-3000:]  # each asked this server
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_unknown_commands_and_options_are_usage_errors_with_status_2(runtime_dir):
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_NO_AUTOSTART="1")
+    for argv, said in [(["frob"], "invalid choice: 'frob'"), (["status", "--frob"], "unrecognized arguments: --frob"),
+                       (["--frob", "run", "x.py"], "unrecognized arguments"), ([], "required: COMMAND"),
+                       (["run", "--frob", "x.py"], "unknown option --frob"), (["run"], "nothing to run"),
+                       (["run", "--python"], "--python needs a path")]:
+        proc = _overmind(*argv, env=env)
+        assert proc.returncode == 2 and said in proc.stderr and "usage: overmind" in proc.stderr, (argv, proc.stderr)
+        assert proc.stdout == "" and "Traceback" not in proc.stderr
+
+
+def test_a_reader_that_left_ends_the_command_quietly_as_unix_tools_do(server, tmp_path):
+    # `overmind status | head -1`: it used to say "lost the server at ...: Broken pipe" and exit 1
+    # (or print "Exception ignored ... BrokenPipeError" at exit). The reader of this real pipe has
+    # left before the command starts, so every write to it fails: no race with the reader.
+    torch_file = tmp_path / "w.pt"
+    server.run(f"import torch; torch.save(torch.ones(4), {str(torch_file)!r})")
+    age_files(torch_file)
+    server.run(LOAD_TENSORS.format(paths=[str(torch_file)]), env=server.client_env(OVERMIND_STRICT="1"))
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        for argv in (["status"], ["status", "--json"], ["list"], ["list", "--json"], ["run", "--help"]):
+            proc = _overmind(*argv, env=server.env, stdout=write_end, stderr=subprocess.PIPE)
+            # Killed by SIGPIPE, as `yes | head -1` leaves `yes`: shells do not report it.
+            assert proc.returncode == -signal.SIGPIPE and proc.stderr == "", (argv, proc.returncode, proc.stderr)
+    finally:
+        os.close(write_end)
+    assert server.status()["pid"] == server.pid
+    # Through a shell, as users type it; the command's output is whole up to where head stopped.
+    proc = subprocess.run(f"{OVERMIND} status | head -c 3", shell=True, env=server.env, capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0 and proc.stdout == "pid" and proc.stderr == "", proc.stderr

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,8 +48,11 @@ def _handshake(server) -> socket.socket:
 # -- 2. the user's call never fails because of overmind ---------------------------------------
 
 
-@pytest.mark.parametrize("setting", ["OVERMIND_TIMEOUT=abc", "OVERMIND_MAX_MEMORY=lots", "OVERMIND_WORKERS=-1"])
+@pytest.mark.parametrize("setting", ["OVERMIND_TIMEOUT=abc", "OVERMIND_MAX_MEMORY=lots", "OVERMIND_WORKERS=-1",
+                                     "OVERMIND_COLD=maybe", "OVERMIND_LOG_LEVEL=LOUD"])
 def test_a_malformed_setting_falls_back_with_one_warning_and_strict_raises(server, models, setting):
+    # Note [A bad setting never stops a script] in overmind.config: plain loads, one warning
+    # naming the variable and what it accepts.
     name, value = setting.split("=")
     code = LM + '''
 a = weights(LlamaForCausalLM.from_pretrained(path))
@@ -59,8 +63,75 @@ report(a=a, b=b, strict=strict(LlamaForCausalLM.from_pretrained, path))
     plain = _run_client(LM + "report(a=weights(LlamaForCausalLM.from_pretrained(path)))",
                         child_env(OVERMIND_DISABLE="1"), str(models["lm"]))
     assert out["a"] == out["b"] == plain["a"]
-    assert len(out["warnings"]) == 1 and name in out["warnings"][0], out["warnings"]
+    assert len(out["warnings"]) == 1 and f"{name}={value!r}" in out["warnings"][0], out["warnings"]
+    assert "accepted: " in out["warnings"][0] or "use 40G" in out["warnings"][0], out["warnings"]
     assert out["strict"]["type"] == "OvermindError" and name in out["strict"]["message"]
+
+
+def test_bad_yes_no_values_and_patch_points_warn_once_each_and_the_cache_still_serves(server, models):
+    # monkey_patch_all() used to raise on OVERMIND_PATCH=garbage, before the script did anything;
+    # a yes/no value that is no yes or no used to count as "no" silently. Now each warns once
+    # and acts as its default, so the loads still go through the cache.
+    env = server.client_env(OVERMIND_PATCH="garbage", OVERMIND_STRICT="banana", OVERMIND_DISABLE="maybe")
+    code = LM + "report(**{k: weights(LlamaForCausalLM.from_pretrained(path)) for k in 'ab'})"
+    out = _run_client(code, env, str(models["lm"]))
+    assert out["a"] == out["b"]
+    warnings = sorted(out["warnings"])
+    assert len(warnings) == 3, warnings
+    assert "OVERMIND_DISABLE='maybe' is not a yes/no value" in warnings[0] and "using the default (no)" in warnings[0]
+    assert "OVERMIND_PATCH: invalid patch spec 'garbage'" in warnings[1] and "module::Qualname.attr" in warnings[1]
+    assert "OVERMIND_STRICT='banana' is not a yes/no value" in warnings[2]
+    assert all("1, true, yes, on; 0, false, no, off or empty" in w for w in (warnings[0], warnings[2]))
+    status = server.wait_idle()
+    assert status["misses"] >= 1 and status["entries"] == 1, status  # OVERMIND_DISABLE=maybe left the cache on
+
+
+@pytest.mark.parametrize("mode", ["--foreground", "--daemon"])
+def test_a_bad_server_setting_refuses_to_start_saying_why_on_stderr_and_in_the_log(runtime_dir, mode):
+    # It used to die of a raw "ValueError: Unknown level" with an empty log, while clients
+    # pointed at that log.
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_LOG_LEVEL="LOUD")
+    proc = subprocess.run([sys.executable, "-m", "overmind.server", mode], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    said = "OVERMIND_LOG_LEVEL='LOUD' is not a choice (accepted: DEBUG, INFO, WARNING, ERROR, CRITICAL"
+    assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert said in (runtime_dir / "server.log").read_text()
+    assert not (runtime_dir / "server.sock").exists()
+
+
+def test_a_server_logs_a_bad_yes_no_value_and_starts(runtime_dir):
+    server = ServerProcess(runtime_dir, {"OVERMIND_STRICT": "banana"})
+    try:
+        assert server.status()["pid"] == server.pid
+        assert "WARNING overmind.server" in server.log() and "OVERMIND_STRICT='banana'" in server.log()
+    finally:
+        server.stop()
+
+
+def test_the_overmind_command_names_a_bad_setting_on_stderr(server, tmp_path):
+    overmind = str(Path(sys.executable).parent / "overmind")
+    # A yes/no value: said once, the default used, the command done.
+    status = subprocess.run([overmind, "status", "--json"], env=server.client_env(OVERMIND_STRICT="banana"),
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert status.returncode == 0 and status.stderr.count("overmind: OVERMIND_STRICT='banana'") == 1, status.stderr
+    # Any other bad value: the command cannot know what was meant; it exits 2 (bad settings) saying why.
+    status = subprocess.run([overmind, "status"], env=server.client_env(OVERMIND_REPLY_TIMEOUT="soon"),
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert status.returncode == 2 and "OVERMIND_REPLY_TIMEOUT='soon'" in status.stderr, status.stderr
+    # `overmind run` runs the script plainly and says why, with a server and without one.
+    script = "print('ran')"
+    for env in (server.client_env(OVERMIND_COLD="maybe"),
+                child_env(OVERMIND_RUNTIME_DIR=str(tmp_path / "none"), OVERMIND_COLD="maybe")):
+        run = subprocess.run([overmind, "run", "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                             cwd=REPO)
+        assert run.returncode == 0 and run.stdout == "ran\n", (run.stdout, run.stderr)
+        assert run.stderr.startswith("overmind run: OVERMIND_COLD='maybe' is not a choice (accepted: background, "
+                                     "wait"), run.stderr
+        assert "running plainly" in run.stderr and run.stderr.count("\n") == 1, run.stderr
+    run = subprocess.run([overmind, "run", "-c", script], env=server.client_env(OVERMIND_DISABLE="maybe"),
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 0 and run.stdout == "ran\n", (run.stdout, run.stderr)
+    assert run.stderr.count("overmind run: OVERMIND_DISABLE='maybe' is not a yes/no value") == 1, run.stderr
 
 
 def test_an_argument_whose_reduce_raises_falls_back_to_the_original(server, tmp_path):
@@ -83,24 +154,28 @@ report(w=got["w"].tolist(), strict=strict(torch.load, sys.argv[1], Odd(cpu="cpu"
 # -- 3. a stopped or unreachable server --------------------------------------------------------
 
 
-def test_a_warm_call_against_a_stopped_server_falls_back_within_3_seconds(server, models):
+def test_a_warm_call_against_a_stopped_server_gives_up_at_the_reply_bound_and_loads_plainly(server, models):
+    # The decision, not the latency (a busy machine stretches any wall-clock bound; the cost of
+    # a fallback is a benchmark's business): the call gave up at OVERMIND_REPLY_TIMEOUT, never at
+    # OVERMIND_TIMEOUT (300 s, which applies only to a cold fill the caller waits for), the
+    # warning says so, and the plain load ran and returned the same weights.
     code = LM + '''
 first, _, _ = timed(LlamaForCausalLM.from_pretrained, path)
 os.kill(int(sys.argv[2]), 19)  # SIGSTOP: the entry is cached, the server frozen
 second, err, seconds = timed(LlamaForCausalLM.from_pretrained, path)
 strict_result = strict(LlamaForCausalLM.from_pretrained, path)
 os.kill(int(sys.argv[2]), 18)
-report(first=weights(first), second=weights(second), err=repr(err), seconds=seconds, strict=strict_result)
+report(first=weights(first), second=weights(second), err=repr(err), strict=strict_result)
 '''
-    env = server.client_env(OVERMIND_COLD="wait")  # OVERMIND_TIMEOUT stays 300 s: it must not apply
+    env = server.client_env(OVERMIND_COLD="wait", OVERMIND_REPLY_TIMEOUT="1.25")
     try:
         out = _run_client(code, env, str(models["lm"]), str(server.pid))
     finally:
         server.proc.send_signal(signal.SIGCONT)
     assert out["first"] == out["second"] and out["err"] == "None"
-    assert out["seconds"] < 3.0, out
-    assert len(out["warnings"]) == 1, out["warnings"]
-    assert out["strict"]["type"] == "OvermindError" and out["strict"]["seconds"] < 3.0, out["strict"]
+    [warning] = out["warnings"]
+    assert "did not answer within 1.25s" in warning and "loading without the cache" in warning, warning
+    assert out["strict"]["type"] == "OvermindError" and "within 1.25s" in out["strict"]["message"], out["strict"]
     assert server.status()["pid"] == server.pid
 
 
@@ -129,11 +204,11 @@ def test_the_cli_finds_and_stops_a_server_it_cannot_reach(runtime_dir):
         server.proc.send_signal(signal.SIGSTOP)  # it holds the runtime dir but answers nothing
         status = server.cli("status", check=False)
         assert status.returncode == 1 and f"pid {server.pid}" in status.stderr, status.stderr
-        started = time.monotonic()
         stop = server.cli("shutdown", check=False)
         assert stop.returncode == 0 and f"pid {server.pid}" in stop.stdout, (stop.stdout, stop.stderr)
-        assert server.proc.wait(timeout=20) is not None
-        assert time.monotonic() - started < 20
+        # Woken and stopped by SIGTERM (a clean exit), not killed once the CLI's wait ran out.
+        assert server.proc.wait(timeout=60) == 0 and "killed" not in stop.stderr, stop.stderr
+        assert "SIGTERM: shutting down" in server.log()
     finally:
         server.stop()
 

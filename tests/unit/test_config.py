@@ -1,0 +1,94 @@
+"""overmind.config: every bad OVERMIND_* value is named with what is accepted, and never raises
+where a script reads it (Note [A bad setting never stops a script]). Each case runs in a fresh
+interpreter: a bad value is told once per process, so a process is the unit that counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ..conftest import child_env, run_python
+
+READ = """
+import json, warnings
+warnings.simplefilter("always")
+caught = []
+warnings.showwarning = lambda message, category, *a, **k: caught.append(f"{{category.__name__}}: {{message}}")
+from overmind import config
+values = [{call} for _ in range(3)]  # read three times: told once
+print(json.dumps({{"values": values, "warnings": caught}}))
+"""
+
+
+def _read(call: str, **env: str) -> dict:
+    proc = run_python(READ.format(call=call), env=child_env(**env))
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("TRUE", True), (" yes ", True), ("On", True),
+                                             ("0", False), ("false", False), ("NO", False), ("off", False),
+                                             ("", None)])
+@pytest.mark.parametrize("default", [False, True])
+def test_every_accepted_yes_no_spelling_reads_without_a_warning_and_empty_is_the_default(value, expected, default):
+    out = _read(f'config.flag("OVERMIND_STRICT", default={default})', OVERMIND_STRICT=value)
+    assert out == {"values": [default if expected is None else expected] * 3, "warnings": []}
+
+
+@pytest.mark.parametrize("name, call, default", [
+    ("OVERMIND_STRICT", 'config.flag("OVERMIND_STRICT")', False),
+    ("OVERMIND_DISABLE", "config.patching_disabled()", False),
+    ("OVERMIND_PRESTART", "config.prestart_enabled()", True),
+    ("OVERMIND_NO_AUTOSTART", "config.Config.from_env().autostart", True),
+])
+def test_a_bad_yes_no_value_warns_once_naming_it_and_the_spellings_and_acts_as_the_default(name, call, default):
+    out = _read(call, **{name: "banana"})
+    assert out["values"] == [default] * 3
+    [warning] = out["warnings"]
+    assert warning.startswith(f"RuntimeWarning: overmind: {name}='banana' is not a yes/no value"), warning
+    assert "1, true, yes, on; 0, false, no, off or empty" in warning
+
+
+def test_bad_patch_points_are_left_out_with_one_warning_each_and_the_good_ones_kept():
+    out = _read("config.extra_patch_points()", OVERMIND_PATCH="garbage, json::loads ,a.b::")
+    assert out["values"] == ["json::loads"] * 3
+    assert len(out["warnings"]) == 2, out["warnings"]
+    assert all("OVERMIND_PATCH" in w and "module::Qualname.attr" in w for w in out["warnings"])
+    assert "'garbage'" in out["warnings"][0] and "'a.b::'" in out["warnings"][1]
+
+
+@pytest.mark.parametrize("name, value, accepted", [
+    ("OVERMIND_LOG_LEVEL", "LOUD", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    ("OVERMIND_COLD", "maybe", "background, wait"),
+    ("OVERMIND_TIMEOUT", "abc", "a number of seconds, at least 0.1"),
+    ("OVERMIND_REPLY_TIMEOUT", "inf", "a number of seconds, at least 0.1"),
+    ("OVERMIND_FILL_YIELD", "nan", "a number of seconds, at least 0"),
+    ("OVERMIND_WORKERS", "2.5", "a whole number, at least 1"),
+    ("OVERMIND_WARM_MAX", "0", "a whole number, at least 1"),
+    ("OVERMIND_MAX_MEMORY", "lots", "40G, 512M, 60%"),
+    ("OVERMIND_WARM_MEMORY", "0%", "40G, 512M, 60%"),
+])
+def test_a_bad_value_is_a_config_error_naming_the_variable_and_what_is_accepted(name, value, accepted):
+    from overmind.config import Config, ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        Config.from_env({name: value})
+    assert str(err.value).startswith(f"{name}={value!r} ") and accepted in str(err.value), str(err.value)
+
+
+def test_every_bad_value_is_named_at_once_and_good_values_are_read_in_any_case():
+    from overmind.config import Config, ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        Config.from_env({"OVERMIND_COLD": "maybe", "OVERMIND_LOG_LEVEL": "LOUD", "OVERMIND_WORKERS": "-1"})
+    assert all(name in str(err.value) for name in ("OVERMIND_COLD", "OVERMIND_LOG_LEVEL", "OVERMIND_WORKERS"))
+    config = Config.from_env({"OVERMIND_COLD": " Wait ", "OVERMIND_LOG_LEVEL": "debug", "OVERMIND_WORKERS": "3"})
+    assert (config.cold_wait, config.log_level, config.workers) == (True, "DEBUG", 3)
+
+
+def test_the_server_gets_bad_yes_no_values_as_notes_to_log_not_as_warnings():
+    from overmind.config import Config
+
+    notes: list[str] = []
+    config = Config.from_env({"OVERMIND_STRICT": "banana"}, notes=notes)
+    assert config.strict is False and len(notes) == 1 and "OVERMIND_STRICT='banana'" in notes[0]
