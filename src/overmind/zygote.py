@@ -468,6 +468,9 @@ def _installed(name: str) -> bool:
     """Is ``name`` importable from an installed location (never the user's code)?"""
     from overmind.installed import installed_prefixes
 
+    top = name.partition(".")[0]
+    if top != name and top not in sys.modules and not _installed(top):
+        return False  # find_spec of a submodule imports its package: never one of the user's
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError, AttributeError):

@@ -72,10 +72,9 @@ def _teach() -> None:
     def report() -> bool:
         from overmind import protocol as P
         from overmind.api import _context
-        from overmind.installed import installed_modules
+        from overmind.prefetch import new_module_names  # the warm interpreter keeps only installed ones
 
-        new = installed_modules(skip=state["seen"])
-        state["seen"].update(sys.modules)
+        new = new_module_names(state["seen"])
         if not new:
             return False
         with state["lock"]:
