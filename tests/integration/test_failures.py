@@ -261,10 +261,11 @@ def test_first_client_autostarts_a_daemon_and_the_second_gets_a_hit(daemon_clean
 
 
 def test_autostart_that_fails_falls_back_with_a_readable_warning(daemon_cleanup):
-    # A server that cannot start (here: a log level it rejects once detached) must cost one
-    # clear warning, not the user's call.
-    env = child_env(OVERMIND_RUNTIME_DIR=str(daemon_cleanup), OVERMIND_LOG_LEVEL="NO-SUCH-LEVEL",
-                    OVERMIND_PRESTART="0")
+    # A server that cannot start (here: its log is a folder, which only the server opens; a bad
+    # setting would already stop the client) must cost one clear warning, not the user's call.
+    daemon_cleanup.mkdir(mode=0o700, exist_ok=True)
+    (daemon_cleanup / "server.log").mkdir()
+    env = child_env(OVERMIND_RUNTIME_DIR=str(daemon_cleanup), OVERMIND_PRESTART="0")
     code = '''
 import json, warnings
 caught = []
