@@ -56,6 +56,17 @@ hits on every restart with the head that seed gives, and each other seed gets it
 (its base weights deduplicated by content, Note [Content index] in ``overmind.registry``).
 A process whose torch generator was never seeded (torch seeds it from OS entropy) will
 never meet its state again: such a caller loads plainly and files nothing (``seeded``).
+
+A generator the load itself created, by first importing its module (transformers imports
+``numpy.random`` while loading; torch, for a caller that had not imported it), is one the plain
+call would have seeded from OS entropy in the caller's process, as its import does. It counts as
+drawn from only when the load moved it from where its own seed put it (``drawn``); left there, it
+is neither filed nor compared, and a hit leaves the caller's generator alone: one the caller has
+imported keeps its state (the plain load would not touch it), one it has not starts from fresh
+entropy when something imports it (the hit's rebuild or the caller's own code), as plain's
+import would. So the key, and the entry, never depend on whether the caller imported numpy.
+A load that draws from a generator the caller has not imported draws from OS entropy in the
+plain call: no process can meet that state, so such a caller loads plainly too (``seeded``).
 """
 
 from __future__ import annotations
@@ -65,7 +76,7 @@ import random
 import sys
 from typing import Any, Optional
 
-__all__ = ["bypass_reason", "keyed_state", "apply_keyed", "rng_state", "set_rng_state", "rng_digest",
+__all__ = ["bypass_reason", "keyed_state", "apply_keyed", "rng_state", "set_rng_state", "drawn", "rng_digest",
            "rng_key", "seeded", "encode_rng", "decode_rng"]
 
 def _patched_init(torch: Any) -> Optional[str]:
@@ -186,12 +197,46 @@ def rng_state() -> dict:
 _CHOSEN_SEED_LIMIT = 1 << 32
 
 
-def seeded(names: list) -> bool:
-    """Could a later process start from the same state of the generators ``names``? Not when
-    torch's was seeded from OS entropy (no ``manual_seed``): filing that load would only fill
-    the cache with an entry no process will ask for again."""
+def seeded(names: list, state: dict) -> bool:
+    """Could a later process start from the same state of the generators ``names``, as this
+    caller (whose ``rng_state()`` is ``state``) would? Not when torch's was seeded from OS
+    entropy (no ``manual_seed``), nor when the caller has not imported one of them (the plain
+    load would import it, seeded from OS entropy, and draw from that): filing or serving that
+    load would only give a draw no plain process reproduces."""
+    if any(name not in state for name in names):
+        return False
     torch = sys.modules.get("torch")
     return not ("torch" in names and torch is not None and torch.initial_seed() >= _CHOSEN_SEED_LIMIT)
+
+
+def drawn(start: dict, end: dict) -> dict:
+    """The generators a load drew from, name -> end state, given ``rng_state()`` before and
+    after it: those whose state changed, and those the load created (``end`` has them, ``start``
+    does not) and moved from where their own seed put them."""
+    return {name: state for name, state in end.items()
+            if (start[name] != state if name in start else not _as_seeded(name))}
+
+
+def _as_seeded(name: str) -> bool:
+    """Is the generator ``name`` still where its own seed put it (nothing drew from it since)?
+    False where that cannot be told: the load then counts as drawing from it."""
+    if name == "torch":
+        torch = sys.modules["torch"]
+        fresh = torch.Generator()
+        fresh.manual_seed(torch.initial_seed())
+        return bool(torch.equal(fresh.get_state(), torch.get_rng_state()))
+    if name == "numpy":
+        np_random = sys.modules["numpy.random"]
+        # The global RandomState's MT19937, seeded at import from a SeedSequence of OS entropy.
+        bit_generator = getattr(getattr(np_random.mtrand, "_rand", None), "_bit_generator", None)
+        seed_seq = getattr(bit_generator, "seed_seq", None) or getattr(bit_generator, "_seed_seq", None)
+        if seed_seq is None:
+            return False
+        fresh = np_random.MT19937(seed_seq).state
+        name_, keys, pos, has_gauss, _ = np_random.get_state()
+        return (name_ == fresh["bit_generator"] and pos == fresh["state"]["pos"] and not has_gauss
+                and bool((keys == fresh["state"]["key"]).all()))
+    return False
 
 
 def set_rng_state(state: dict) -> None:

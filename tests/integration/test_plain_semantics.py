@@ -240,3 +240,41 @@ def test_a_replayed_warning_obeys_the_callers_filters(runs):
 def test_the_load_report_of_a_new_head_is_logged_on_a_hit(runs):
     expected = same_as_plain(runs, "load_report")
     assert any("MISSING" in r[2] and r[1] == "WARNING" for r in expected["records"]), expected
+
+
+# -- a generator the load imports: issue 20, item 1 -------------------------------------------
+
+NUMPY_SCRIPT = PRELUDE + r"""
+from transformers import AutoModelForCausalLM
+if sys.argv[3] == "numpy first":
+    import numpy.random
+out["numpy_imported_before_the_load"] = "numpy.random" in sys.modules
+model = AutoModelForCausalLM.from_pretrained(sys.argv[2])
+import numpy
+out["cached"] = served_from_cache(model)
+out["draws"] = [float(x) for x in numpy.random.rand(3)]
+print(json.dumps(out))
+"""
+
+
+def test_numpys_generator_after_a_hit_starts_from_fresh_entropy_and_the_key_ignores_its_import(server, models):
+    import subprocess
+    import sys
+
+    from ..conftest import REPO
+
+    def run(order: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", NUMPY_SCRIPT, "patched", str(models["lm"]), order],
+                              capture_output=True, text=True, env=server.client_env(), timeout=300, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        server.wait_idle()
+        return last_json(proc)
+
+    fill = run("numpy after")
+    assert not fill["numpy_imported_before_the_load"], "the load must be the one to import numpy.random"
+    hits = [run("numpy after"), run("numpy after"), run("numpy first")]
+    assert all(hit["cached"] for hit in hits), hits
+    draws = [tuple(hit["draws"]) for hit in [fill, *hits]]
+    assert len(set(draws)) == len(draws), f"numpy's draws repeat across processes: {draws}"
+    entries = json.loads(server.cli("list", "--json").stdout)
+    assert len(entries) == 1, entries  # importing numpy first asks for the same entry
