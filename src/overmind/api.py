@@ -309,12 +309,17 @@ def _fetch(config: "Config", target: "Target", call) -> tuple[Any, Any, str]:
         try:
             reply, skeleton = conn.load(request, call.blob)
             meta = _meta(reply)
-            digest = rng_digest(call.rng_state, meta.rng.get("drew", [])) if meta.rng else ""
+            drew = meta.rng.get("drew", []) if meta.rng else []
+            if any(name not in call.rng_state for name in drew):
+                # Note [Loads that draw random numbers]: plain would import that generator and draw
+                # from OS entropy; the entry's draws are one such, not ours.
+                raise NotWorthCaching("the load draws from a generator it imports, seeded from OS entropy")
+            digest = rng_digest(call.rng_state, drew) if drew else ""
             if digest and meta.rng.get("start") != digest:
                 # Note [Loads that draw random numbers]: filed for callers starting from other states.
                 if request.key != call.key:
                     raise P.ProtocolError(f"the entry for {request.key[:16]} started from other generator states")
-                if not seeded(meta.rng.get("drew", [])):
+                if not seeded(drew, call.rng_state):
                     raise NotWorthCaching("the load draws from a generator seeded from OS entropy")
                 request = P.Load(rng_key(call.key, digest), target.name, call.description, _context(),
                                  call.refs, modules=target.modules, wait=config.cold_wait, program=program_id())

@@ -146,8 +146,8 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         finally:
             observer.active = False
         code = P.ErrorCode.CANNOT_CACHE
-        rng_end = callstate.rng_state()
-        drew = {name: state for name, state in rng_end.items() if rng_start.get(name) != state}
+        # A generator the load first imported counts only if drawn from: Note [Loads that draw random numbers].
+        drew = callstate.drawn(rng_start, callstate.rng_state())
         rng = {} if not drew else {"drew": sorted(drew), "start": callstate.rng_digest(caller_rng, sorted(drew)),
                                    "end": base64.b64encode(callstate.encode_rng(drew)).decode()}
         files = observer.fingerprints(maps_before)
