@@ -23,6 +23,17 @@ caller's own ``warnings`` filters and logging configuration, in the order they h
 - A record transformers logs with ``warning_once``/``info_once`` is replayed once per process
   and message, as those do (not knowing whether the caller's own code logged it before).
 - Both are bounded (MAX_EVENTS, MAX_TEXT) to stay within the protocol's field limit.
+
+Note [Warnings of an import inside a load]
+A load may import a module whose top-level code warns or logs (bitsandbytes' CPU backend logs
+"Failed to load CPU gemm_4bit_forward" when imported). The plain call emits that once per
+process, on the import, not on every load. So each event records the module whose top-level
+code was running when it was emitted (the innermost ``<module>`` frame). A hit never replays
+such an event: when the module is in the caller's ``sys.modules`` once the result is rebuilt,
+the caller imported it before (the plain call would not import it again) or the rebuild just
+did (and its import emitted the event, as the plain call's would); when it is not, the hit
+imports it, as the plain call would have, and that import emits what it emits. Only an import
+that fails here (it did not in the loader) leaves the event to be replayed.
 """
 
 from __future__ import annotations
@@ -60,7 +71,7 @@ class Recorder:
                     line: Any = None) -> None:
         caller = os.path.abspath(filename).startswith(_OVERMIND_DIR)
         self._add(["warning", f"{category.__module__}:{category.__qualname__}", str(message)[:MAX_TEXT],
-                   "" if caller else filename, 0 if caller else lineno])
+                   "" if caller else filename, 0 if caller else lineno, _importing()])
 
     def __enter__(self) -> "Recorder":
         self._warnings.__enter__()
@@ -78,7 +89,7 @@ class Recorder:
             if rec.exc_text:
                 text = f"{text}\n{rec.exc_text}"
             recorder._add(["log", rec.name, rec.levelno, text[:MAX_TEXT], rec.pathname, rec.lineno, rec.funcName,
-                           _logged_once()])
+                           _logged_once(), _importing()])
 
         def is_enabled(logger: logging.Logger, level: int) -> bool:
             return level >= RECORDED_LEVEL or enabled(logger, level)
@@ -107,6 +118,36 @@ def _logged_once() -> bool:
             return True
         frame, depth = frame.f_back, depth + 1
     return False
+
+
+def _importing() -> str:
+    """The module whose top-level code is running on this thread (it is being imported), or "":
+    Note [Warnings of an import inside a load]."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            name = frame.f_globals.get("__name__", "")
+            # overmind's own: a loader's entry point, never a module the caller's load imports.
+            return name if isinstance(name, str) and name != "__main__" and not name.startswith("overmind") else ""
+        frame = frame.f_back
+    return ""
+
+
+def _emitted_by_import(event: list, length: int) -> bool:
+    """Whether the event came from a module's import, which has happened in this process or
+    happens now (Note [Warnings of an import inside a load]). Entries filed before events
+    carried their importing module have ``length`` fields."""
+    name = event[length] if len(event) > length else ""
+    if not name or not isinstance(name, str):
+        return False
+    if name not in sys.modules:
+        import importlib
+
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the loader imported it; replay what it emitted there
+            return False
+    return True
 
 
 def _category(name: str) -> type:
@@ -139,8 +180,10 @@ def replay(events: list) -> None:
     for event in events:
         if not isinstance(event, list) or not event:
             continue
-        if event[0] == "warning" and len(event) == 5:
-            _, category, message, filename, lineno = event
+        if event[0] == "warning" and len(event) in (5, 6):
+            if _emitted_by_import(event, 5):  # Note [Warnings of an import inside a load]
+                continue
+            _, category, message, filename, lineno = event[:5]
             if filename:
                 if filename not in modules:
                     modules[filename] = _module_of(filename)
@@ -154,10 +197,15 @@ def replay(events: list) -> None:
             registry = globals_.setdefault("__warningregistry__", {}) if globals_ else None
             # No module_globals: linecache reads a library's source from its file, and a `-c`
             # script's loader (BuiltinImporter) raises on get_source.
-            warnings.warn_explicit(message, _category(category), filename, lineno,
-                                   module=globals_.get("__name__") if globals_ else None, registry=registry)
-        elif event[0] == "log" and len(event) == 8:
-            _, name, level, text, pathname, lineno, func, once = event
+            # module=None given explicitly makes CPython 3.11 drop the warning: leave it out, and
+            # warn_explicit names the module after the file, as for a warning of a module unknown here.
+            module_name = globals_.get("__name__") if globals_ else None
+            warnings.warn_explicit(message, _category(category), filename, lineno, registry=registry,
+                                   **({"module": module_name} if module_name else {}))
+        elif event[0] == "log" and len(event) in (8, 9):
+            if _emitted_by_import(event, 8):
+                continue
+            _, name, level, text, pathname, lineno, func, once = event[:8]
             if once:  # as the plain call's warning_once would: once per process and message
                 if (name, level, text) in _replayed_once:
                     continue

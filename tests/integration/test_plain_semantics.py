@@ -54,7 +54,7 @@ class Keep(logging.Handler):
     def emit(self, record):
         records.append([record.name, record.levelname, record.getMessage()[:200], record.funcName])
 
-for name in ("transformers", "mylib"):
+for name in ("transformers", "mylib", "noisy"):
     logging.getLogger(name).addHandler(Keep())
 logging.getLogger("mylib").setLevel(logging.INFO)
 lm, unet, pt = sys.argv[2:5]
@@ -118,6 +118,14 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     out["error_filter_cached"] = served_from_cache(mylib.load(pt))
 
+# A load that imports a module which warns and logs while imported: once per process, as plain.
+del records[:]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    states = [mylib.load_noisy(pt) for _ in range(3)]
+out["import_warning"] = {"cached": served_from_cache(states[-1]), "records": list(records),
+                         "warnings": [str(w.message) for w in caught]}
+
 # The load report transformers logs for a new head.
 del records[:]
 model = AutoModelForSequenceClassification.from_pretrained(lm, num_labels=3)
@@ -137,6 +145,24 @@ def load(path):
     log.info("mylib: read 2 tensors")
     log.debug("mylib: not recorded, not enabled")
     return torch.load(path, weights_only=True)
+
+def load_noisy(path):
+    import noisy, quiet
+    quiet.notice()
+    return torch.load(path, weights_only=True)
+"""
+
+QUIET = """
+import warnings
+
+def notice():
+    warnings.warn("quiet: notice", UserWarning)
+"""
+
+NOISY = """
+import logging, warnings
+warnings.warn("noisy: imported", UserWarning)
+logging.getLogger("noisy").warning("noisy: imported")
 """
 
 
@@ -156,11 +182,13 @@ def runs(tmp_path_factory, models):
 
     root = tmp_path_factory.mktemp("plain_semantics")
     (root / "mylib.py").write_text(MYLIB)
+    (root / "noisy.py").write_text(NOISY)
+    (root / "quiet.py").write_text(QUIET)
     torch.save({"w": torch.arange(6.0)}, root / "w.pt")
     age_files(root)
     runtime = tempfile.mkdtemp(prefix="om-", dir="/tmp")  # short: AF_UNIX paths are limited to 108 bytes
     pythonpath = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-    server = ServerProcess(Path(runtime), {"PYTHONPATH": pythonpath, "OVERMIND_PATCH": "mylib::load"})
+    server = ServerProcess(Path(runtime), {"PYTHONPATH": pythonpath, "OVERMIND_PATCH": "mylib::load,mylib::load_noisy"})
     try:
         outs = {}
         for run in ("plain", "fill", "fill again", "hit"):
@@ -235,6 +263,12 @@ def test_warnings_and_log_records_of_a_load_are_replayed_on_a_hit(runs):
 def test_a_replayed_warning_obeys_the_callers_filters(runs):
     assert runs["plain"]["error_filter"] == runs["hit"]["error_filter"] == "mylib: this format is deprecated"
     assert runs["hit"]["error_filter_cached"]
+
+
+def test_a_warning_of_an_import_inside_a_load_is_replayed_once_per_process_as_plain(runs):
+    expected = same_as_plain(runs, "import_warning")
+    assert expected["warnings"] == ["noisy: imported"] + ["quiet: notice"] * 3, expected
+    assert [r[2] for r in expected["records"]] == ["noisy: imported"], expected
 
 
 def test_the_load_report_of_a_new_head_is_logged_on_a_hit(runs):
