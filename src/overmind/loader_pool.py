@@ -135,7 +135,10 @@ class Zygote:
             theirs.close()
         self.sock = ours
         self.sock.settimeout(READY_TIMEOUT)
-        P.send_message(self.sock, P.Warm(list(modules), refused=list(refused)))
+        try:
+            P.send_message(self.sock, P.Warm(list(modules), refused=list(refused)))
+        except OSError:  # it exited at once: the first job hears EOF and reports how it ended (exit_note)
+            pass
         self.lock = threading.Lock()
         self.ready = False
         self.retired = False
@@ -153,6 +156,15 @@ class Zygote:
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def exit_note(self, wait: float = 1.0) -> str:
+        """How its process ended, for an error message ("" while it runs)."""
+        try:
+            code = self.proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            return ""
+        how = f"exit status {code}" if code >= 0 else f"signal {-code}"
+        return f"{self.context.python} (pid {self.proc.pid}) ended with {how} before it was ready"
 
     def _wait_ready(self) -> None:
         self.sock.settimeout(READY_TIMEOUT)
@@ -322,19 +334,24 @@ class LoaderPool:
         overmind.fill_priority)."""
         fill = fill or Fill(key, background=False)
         for attempt in (1, 2):
-            zygote = self._zygote(context)
+            try:
+                zygote = self._zygote(context)
+            except OSError as err:  # the interpreter cannot be executed at all
+                raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
+                                  f"could not start a loader with {context.python}: {err}") from None
             try:
                 job, pid = zygote.start_job(key, blob, list(modules), sys_path, cwd)
                 break
             except (OSError, EOFError, P.ProtocolError, P.RemoteError, RunRefused) as err:
                 logger.warning("warm interpreter %d could not start job %s: %s", zygote.proc.pid, key[:16], err)
+                ended = "" if zygote.ready else zygote.exit_note()
                 if zygote.ready:
                     self._retire(zygote, str(err))
                 else:
                     self._discard(zygote)
                 if attempt == 2:
                     raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
-                                      f"could not start a loader with {context.python}: {err}; "
+                                      f"could not start a loader: {ended or f'{context.python}: {err}'}; "
                                       f"see {self.config.log_path}") from None
         self.fills.forked(fill, pid)
         answered = False
