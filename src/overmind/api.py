@@ -19,7 +19,9 @@ If anything on the cache path fails (no server, a timeout, a garbled reply, a re
 that cannot be cached), the original loader runs in the calling process and one warning
 per process says why. A call whose arguments cannot be keyed (``overmind.calls``) goes
 straight to the original without a warning, and so does one whose original raised in the
-loader: it most likely raises here as well, and the plain call would warn nothing.
+loader: it most likely raises here as well, and the plain call would warn nothing. So does
+one whose result cannot be rebuilt from the cache, even under ``OVERMIND_STRICT=1``: plain
+python loads it fine (Note [Results that cannot be rebuilt] in overmind.quirks).
 """
 
 from __future__ import annotations
@@ -251,10 +253,16 @@ def _load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
                     # The original raised in the loader: it most likely raises here too, and a
                     # plain call warns nothing (Note [Process-global state of a load]).
                     logger.info("the cache's loader raised for %s: %s", description, pending.reason)
+                elif pending.code == P.ErrorCode.NOT_REBUILDABLE:
+                    logger.debug("not caching %s: %s", description, pending.reason)
                 else:
                     _warn_once(f"the cache cannot load this call ({pending.reason})")
             except NotWorthCaching as why:
                 logger.debug("not caching %s: %s", description, why)
+            except P.RemoteError as err:  # a caller that waited (OVERMIND_STRICT=1) gets the verdict itself
+                if err.code != P.ErrorCode.NOT_REBUILDABLE:
+                    raise
+                logger.debug("not caching %s: %s", description, err.message)
     except Exception as err:
         _drop_connection()
         from overmind.client import ServerUnavailable

@@ -122,8 +122,8 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**info, "huge_pages": hp.as_dict()}, sort_keys=True))
         return EXIT_OK
-    first = ["pid", "version", "uptime", "entries", "used", "budget", "hits", "misses", "stale_misses", "evictions",
-             "loading", "settling"]
+    first = ["pid", "version", "uptime", "entries", "used", "budget", "hits", "misses", "not_cacheable",
+             "stale_misses", "evictions", "loading", "settling"]
     names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n != "bytes")
     print(_table([(name, _format_value(name, info[name])) for name in names]))
     print()

@@ -152,6 +152,10 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
                                    "end": base64.b64encode(callstate.encode_rng(drew)).decode()}
         files = observer.fingerprints(maps_before)
         loaded = time.monotonic()
+        # Note [Results that cannot be rebuilt] in overmind.quirks: before the hooks are stripped.
+        code = P.ErrorCode.NOT_REBUILDABLE
+        quirks.check_rebuildable(result)
+        code = P.ErrorCode.CANNOT_CACHE
         quirks.prepare_for_pickle(result)
         # Arguments handed back unchanged travel as references: the client puts its own object there.
         references = {id(obj): key for key, obj in refs.items() if _state_of(obj) == before[key]}

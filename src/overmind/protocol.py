@@ -65,6 +65,9 @@ class ErrorCode:
     BUSY = 11  # too many connections: Note [Every peer is bounded] in overmind.server
     NOT_FORKABLE = 12  # a warm interpreter that changed (stale modules, a new thread) refuses to fork
     CANNOT_CACHE = 13  # the original returned, but its result could not be cached (pickling, packing)
+    # The result's weights are not in it (disk offload): callers load plainly, silently, and the
+    # server remembers the key. Note [Results that cannot be rebuilt] in overmind.quirks.
+    NOT_REBUILDABLE = 14
 
     @classmethod
     def name(cls, code: int) -> str:

@@ -1,5 +1,6 @@
 """Library-specific fixes so loaded objects pickle, and unpickle in the client.
 
+    check_rebuildable(result)      # loader: NotRebuildable if its weights are not in it
     prepare_for_pickle(result)     # loader: strip accelerate hooks and warning patches,
                                    # register reducers for loaded libraries (bitsandbytes)
     dynamic_module_paths()         # loader: sys.path entries the client needs for
@@ -24,10 +25,23 @@ after the parameter is memoised, so the ``module`` back-reference and any other 
 resolve to the same objects. The reducers are registered only once bitsandbytes is
 in ``sys.modules``: importing it probes for CUDA, which a zygote must never do
 (Note [Zygotes never touch CUDA] in ``overmind.loader_pool``).
+
+Note [Results that cannot be rebuilt]
+Some loads return a model whose weights are not in it: accelerate's offload (``device_map``
+past ``max_memory``, ``offload_folder``) leaves parameters on the meta device and hooks whose
+``weights_map`` reads them from the checkpoint or the offload folder at every forward pass.
+Stripping the hooks (``prepare_for_pickle``) would leave an empty shell, and the hooks
+themselves do not travel. So such a result is not cached: the loader answers NOT_REBUILDABLE
+before packing, the server remembers the key (Note [Only deterministic failures are
+remembered] in ``overmind.registry``) and counts its calls ``not_cacheable``, and callers load
+plainly without a warning, under ``OVERMIND_STRICT=1`` too: plain python does this load
+fine, and so do we, just not from the cache. The check looks at tensors' devices and the
+hooks' settings only (no data is read), and must run while the hooks are still there.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
@@ -38,7 +52,8 @@ from typing import Any, Iterator
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "prepare_for_pickle", "dynamic_module_paths", "modules_of", "register_reducers",
+    "check_rebuildable", "NotRebuildable", "prepare_for_pickle", "dynamic_module_paths", "modules_of",
+    "register_reducers",
     "ParameterSubclass", "rebuild_parameter_subclass", "set_parameter_state",
 ]
 
@@ -68,6 +83,30 @@ def modules_of(obj: Any) -> Iterator[Any]:
     model = getattr(obj, "model", None)  # transformers.Pipeline
     if isinstance(model, torch.nn.Module):
         yield model
+
+
+class NotRebuildable(Exception):
+    """A result whose weights are not in it: Note [Results that cannot be rebuilt]."""
+
+
+def check_rebuildable(obj: Any) -> None:
+    """Raise NotRebuildable if ``obj`` holds meta tensors or accelerate offload hooks."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for module in modules_of(obj):
+        for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+            if tensor.is_meta:
+                raise NotRebuildable(f"{name} is on the meta device (offloaded)")
+        for name, sub in module.named_modules():
+            hook = getattr(sub, "_hf_hook", None)
+            for one in getattr(hook, "hooks", None) or (hook,):  # a SequentialHook holds several
+                if getattr(one, "offload", False) or getattr(one, "weights_map", None) is not None:
+                    raise NotRebuildable(f"accelerate offloads the weights of {name or type(sub).__name__}")
+    if isinstance(obj, dict):  # a state dict loaded onto the meta device
+        for name, value in obj.items():
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                raise NotRebuildable(f"{name} is on the meta device")
 
 
 def prepare_for_pickle(obj: Any) -> None:

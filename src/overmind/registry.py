@@ -22,7 +22,9 @@ request from the entries themselves: nothing to keep consistent on eviction.
 Note [Only deterministic failures are remembered]
 A load whose original loader raised will raise again: it is remembered for
 ``FAILURE_TTL`` seconds, so later calls load plainly at once instead of paying a loader
-each. A loader that *died* (the OOM killer, a signal, a timeout) says nothing about the
+each. So is a result that cannot be rebuilt (Note [Results that cannot be rebuilt] in
+overmind.quirks): the same call gives the same model, and no loader runs it again while
+remembered. A loader that *died* (the OOM killer, a signal, a timeout) says nothing about the
 next try, so the key is tried again; only after ``MAX_DEATHS`` deaths in a row is it
 remembered like a raise. At most ``MAX_FAILURES`` failures are kept (oldest dropped) with
 their text cut to ``MAX_REMEMBERED_TEXT``: a client sending unique failing keys costs the

@@ -121,6 +121,7 @@ class Server:
         self.history = ProgramHistory()  # Note [Prefetch] in overmind.prefetch
         self.plain_seconds: "OrderedDict[str, float]" = OrderedDict()  # Note [Joining a fill]
         self.joined = 0
+        self.not_cacheable = 0  # calls told their result cannot be rebuilt: Note [Results that cannot be rebuilt]
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 
@@ -419,6 +420,7 @@ class Server:
         info["loaders"] = self.loaders.describe()
         info["settling"] = self.loaders.settling  # Note [Huge pages for segments] in overmind.memfd
         info["joined"] = self.joined  # Note [Joining a fill]
+        info["not_cacheable"] = self.not_cacheable
         return info
 
     # -- loads ---------------------------------------------------------------------
@@ -475,6 +477,8 @@ class Server:
         if admission.busy:
             return P.send_message(conn, P.Pending(request.key, False, "the server is busy with other loads"))
         if admission.failure is not None:
+            if admission.failure.code == P.ErrorCode.NOT_REBUILDABLE:
+                self.not_cacheable += 1  # Note [Results that cannot be rebuilt] in overmind.quirks
             if request.wait or request.lookup_only:
                 return P.send_message(conn, admission.failure)
             return P.send_message(conn, P.Pending(request.key, False, admission.failure.message[:MAX_TEXT],
@@ -516,13 +520,17 @@ class Server:
         except LoadFailure as failure:
             flight.error = P.Error(failure.code, failure.message, failure.traceback)
             # Note [Only deterministic failures are remembered] in overmind.registry
-            remember = failure.code in (P.ErrorCode.LOADER_FAILED, P.ErrorCode.TOO_LARGE, P.ErrorCode.BAD_REQUEST)
+            remember = failure.code in (P.ErrorCode.LOADER_FAILED, P.ErrorCode.TOO_LARGE, P.ErrorCode.BAD_REQUEST,
+                                        P.ErrorCode.NOT_REBUILDABLE)
         except Exception as err:  # pragma: no cover - reported, never fatal
             logger.exception("load of %s failed inside the server", request.key)
             flight.error = P.Error(P.ErrorCode.INTERNAL, f"server error: {err}")
         finally:
             self.loaders.fills.end(fill)
-            if flight.error is not None:
+            if flight.error is not None and flight.error.code == P.ErrorCode.NOT_REBUILDABLE:
+                self.not_cacheable += 1  # not a fault: Note [Results that cannot be rebuilt] in overmind.quirks
+                logger.info("not caching %s: %s", request.key[:16], flight.error.message[:300])
+            elif flight.error is not None:
                 logger.warning("load of %s failed: %s", request.key[:16], flight.error.message[:300])
             self.registry.finish(request.key, flight, remember=remember)
 

@@ -79,7 +79,7 @@ def test_error_codes_never_change():
     E = P.ErrorCode
     assert (E.BAD_REQUEST, E.VERSION_MISMATCH, E.NOT_FOUND, E.LOADER_FAILED, E.LOADER_CRASHED, E.LOADER_TIMEOUT,
             E.PERMISSION_DENIED, E.SHUTTING_DOWN, E.TOO_LARGE, E.INTERNAL, E.BUSY, E.NOT_FORKABLE,
-            E.CANNOT_CACHE) == tuple(range(1, 14))
+            E.CANNOT_CACHE, E.NOT_REBUILDABLE) == tuple(range(1, 15))
     assert E.name(5) == "LOADER_CRASHED"
     assert E.name(99) == "ERROR_99"
 
