@@ -26,9 +26,13 @@ saved wins; wrappers keep the original's name, docstring and signature; a patche
 call made while another patched call is running on the same thread skips its
 wrapper (see :func:`in_patched_call`); :func:`unpatch_all` restores everything.
 
-Names already bound elsewhere (``from torch import load`` before patching, or
-aliases such as ``torch.serialization.load``) are not touched: patch the
-attribute callers actually look up, in the module that defines it.
+A module-level function patched while its module is already imported also
+replaces the names other imported modules bound to it earlier (peft's
+``from safetensors.torch import load_file as safe_load_file``), so a warm
+``overmind run`` child, which imported them before its patch, hits like plain
+python does (Note [Names bound before patching]). The defining module's own
+global (``torch.serialization.load`` behind ``torch::load``), class attributes,
+``__main__`` and overmind's own modules are left alone.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ if TYPE_CHECKING:  # typing and dataclasses cost ~30 ms at start-up; see overmin
     from typing import Any, Callable, Iterable, Optional, Union
 
 __all__ = [
-    "PatchPoint", "WrapperFactory", "get_original", "in_patched_call", "is_patched",
+    "PatchPoint", "WrapperFactory", "get_original", "in_patched_call", "index_bound_names", "is_patched",
     "parse_patch_specs", "patch", "patched_points", "pending_points", "unpatch_all",
 ]
 
@@ -152,6 +156,7 @@ class _Record:
         self.guard = guard
         self.active = active
         self.copies: list[tuple[type, Any]] = []  # (subclass, raw attribute): Note [Copies of a patched classmethod]
+        self.aliases: list[tuple[dict, str]] = []  # (module globals, name): Note [Names bound before patching]
 
 
 _lock = threading.RLock()
@@ -233,34 +238,35 @@ def _make_guard(record: _Record, wrapper: Callable[..., Any]) -> Callable[..., A
     return guard
 
 
-def _apply(point: PatchPoint, make_wrapper: WrapperFactory) -> None:
+def _apply(point: PatchPoint, make_wrapper: WrapperFactory) -> Optional[_Record]:
     """Install one patch now; the module is in sys.modules. Caller holds _lock."""
     if point in _records:
-        return  # first patch wins: never double-wrap
+        return None  # first patch wins: never double-wrap
     try:
         owner, name, raw, own = _resolve(sys.modules[point.module], point)
     except AttributeError as exc:
         _warn_once(point, f"attribute not found ({exc})")
-        return
+        return None
     func, kind = _unwrap(raw)
     if not callable(func):
         _warn_once(point, f"{type(raw).__name__} object is not callable")
-        return
+        return None
     if _record_of(func) is not None:
         # Same attribute reached through another point (a re-export or a subclass).
         logger.debug("overmind: %s is already patched through another point", point)
-        return
+        return None
     record = _Record(point, owner, name, raw, own, func)
     record.guard = _make_guard(record, make_wrapper(point, func, kind is classmethod))
     try:
         setattr(owner, name, kind(record.guard) if kind else record.guard)
     except (AttributeError, TypeError) as exc:  # e.g. attributes of built-in types
         _warn_once(point, f"attribute cannot be replaced ({exc})")
-        return
+        return None
     _records[point] = record
     if isinstance(owner, type) and kind is classmethod:
         record.copies = _patch_copies(owner, name, func, record.guard)
     logger.debug("overmind: patched %s", point)
+    return record
 
 
 def _patch_copies(owner: type, name: str, func: Any, guard: Callable[..., Any]) -> list[tuple[type, Any]]:
@@ -289,6 +295,120 @@ def _patch_copies(owner: type, name: str, func: Any, guard: Callable[..., Any]) 
             except (AttributeError, TypeError):
                 pass
     return copies
+
+
+def _patch_aliases(records: list[_Record]) -> None:
+    """Note [Names bound before patching]
+    ``from safetensors.torch import load_file as safe_load_file`` (peft, accelerate) copies the
+    function into the importing module's globals. Imported after the patch, as under plain
+    python, that copy is our guard; imported before it, as in a warm ``overmind run`` child
+    whose interpreter learned peft, it is the original and every adapter load missed the cache.
+    So when :func:`patch` applies a module-level function to a module already imported, every
+    module global that ``is`` the original becomes the same guard, recorded so that
+    :func:`unpatch_all` puts the original back (only where the guard is still there). Not
+    touched: the import-hook path (nobody can have bound a name the module had not defined
+    yet), the function's defining module (its own global is the definition, which plain python
+    leaves alone too: ``torch.serialization.load`` behind ``torch::load``), class attributes
+    (looked up through the class; Note [Copies of a patched classmethod] covers copies),
+    ``__main__`` (the caller's own names: it may keep ``original = torch.load`` on purpose) and
+    overmind's own modules.
+
+    Finding them is one pass over ``sys.modules``, each module's values matched by ``id`` in C:
+    ~8 ms with torch, transformers, diffusers and peft imported (3,700 modules, 147,000
+    globals). In a child forked from a frozen warm interpreter that pass would cost ~75 ms and
+    ~70 MiB: iterating a value writes its refcount, which copies ~22,000 shared pages. So a warm
+    interpreter makes the pass before it forks (:func:`index_bound_names`), and a child reads
+    the index, confirms each place by identity, and passes only over the modules imported since
+    (the tail of ``sys.modules``, which keeps import order); when it cannot tell what is new
+    (a module removed since) or a function was not indexed, it makes the whole pass."""
+    targets = {id(r.original): r for r in records}
+    found = _from_index(targets)
+    if found is None:
+        found = _bound_in(list(sys.modules.values()), targets)
+    for namespace, attr, record in found:
+        # Write the globals dict: it is what the module's own functions look up, and a
+        # module subclass's __setattr__ has no business running here.
+        namespace[attr] = record.guard
+        record.aliases.append((namespace, attr))
+        logger.debug("overmind: patched %s.%s, bound to %s before patching", namespace.get("__name__"), attr,
+                     record.point)
+
+
+def _bound_in(modules: list, targets: dict) -> list:
+    """(module globals, name, target) for each global of ``modules`` that is a target's original."""
+    found = []
+    for module in modules:
+        if not isinstance(module, types.ModuleType):
+            continue  # sys.modules may hold other objects; their __dict__ could be anything
+        namespace = module.__dict__
+        if targets.keys().isdisjoint(map(id, namespace.values())):
+            continue
+        modname = namespace.get("__name__")
+        if not isinstance(modname, str) or modname in ("__main__", "__mp_main__") \
+                or modname == "overmind" or modname.startswith("overmind."):
+            continue
+        for attr, value in list(namespace.items()):
+            target = targets.get(id(value))
+            if target is None or value is not target.original or namespace is getattr(value, "__globals__", None):
+                continue  # not one, or the definition itself
+            found.append((namespace, attr, target))
+    return found
+
+
+class _Target:
+    """What :func:`_bound_in` needs of a function to look for (a record, or an index entry)."""
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+
+
+# Note [Names bound before patching]: (len(sys.modules), its last key, {id(function): function},
+# [(module globals, name, function), ...]) as a warm interpreter left them before forking.
+_bound_index: Optional[tuple] = None
+
+
+def index_bound_names(points: Iterable[PatchPoint]) -> None:
+    """In a warm interpreter, before it forks: where imported modules bound the module-level
+    functions of ``points`` (Note [Names bound before patching]). Cheap when nothing was
+    imported since the last call."""
+    global _bound_index
+    if _bound_index is not None and _bound_index[0] == len(sys.modules):
+        return
+    functions = {}
+    for point in points:
+        module = sys.modules.get(point.module)
+        if module is None or "." in point.qualname:
+            continue
+        func = getattr(module, point.qualname, None)
+        if isinstance(func, types.FunctionType):
+            functions[id(func)] = func
+    modules = list(sys.modules.values())
+    found = _bound_in(modules, {ident: _Target(func) for ident, func in functions.items()})
+    _bound_index = (len(modules), next(reversed(sys.modules), None), functions,
+                    [(namespace, attr, target.original) for namespace, attr, target in found])
+
+
+def _from_index(targets: dict) -> Optional[list]:
+    """The places of ``targets`` from the warm interpreter's index, plus those in modules
+    imported since; None where the index cannot tell."""
+    if _bound_index is None:
+        return None
+    count, last_key, functions, places = _bound_index
+    if any(functions.get(ident) is not target.original for ident, target in targets.items()):
+        return None
+    new = len(sys.modules) - count
+    if new < 0:
+        return None
+    tail = []
+    for position, name in enumerate(reversed(sys.modules)):  # only the new names and one more
+        if position == new:
+            if name != last_key:
+                return None  # something before it was removed: the tail is not just what is new
+            break
+        tail.append(name)
+    found = [(namespace, attr, targets[id(func)]) for namespace, attr, func in places
+             if id(func) in targets and namespace.get(attr) is func]
+    return found + _bound_in([sys.modules.get(name) for name in tail], targets)
 
 
 def _apply_pending(module_name: str) -> None:
@@ -374,11 +494,15 @@ def patch(points: Iterable[PatchPoint], make_wrapper: WrapperFactory) -> None:
     """
     global _finder
     with _lock:
+        applied: list[_Record] = []  # module-level functions patched here: their aliases next
         for point in points:
             if point in _records:
                 continue
             if sys.modules.get(point.module) is not None:
-                _apply(point, make_wrapper)
+                record = _apply(point, make_wrapper)
+                if record is not None and isinstance(record.owner, types.ModuleType) \
+                        and isinstance(record.saved, types.FunctionType):
+                    applied.append(record)
                 continue
             _pending.setdefault(point.module, {}).setdefault(point, make_wrapper)
             if _finder is None:
@@ -386,6 +510,8 @@ def patch(points: Iterable[PatchPoint], make_wrapper: WrapperFactory) -> None:
                 # Kept until unpatch_all(): removing meta_path entries while an
                 # import may be iterating over the list would skip a finder.
                 sys.meta_path.insert(0, _finder)
+        if applied:
+            _patch_aliases(applied)
 
 
 def unpatch_all() -> None:
@@ -406,6 +532,9 @@ def unpatch_all() -> None:
             for klass, raw in record.copies:
                 if _func_of(vars(klass).get(name)) is record.guard:
                     setattr(klass, name, raw)
+            for namespace, attr in record.aliases:  # Note [Names bound before patching]
+                if namespace.get(attr) is record.guard:
+                    namespace[attr] = record.original
         _records.clear()
         _pending.clear()
         _warned.clear()

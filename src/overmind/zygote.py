@@ -125,6 +125,7 @@ class WarmInterpreter:
         self.threads = _native_threads()  # Note [Forking past torch's thread]: counted here, once
         imported += self._import(warm.modules)
         self._record_files()
+        _index_bound_names()
         if yielding:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         P.send_message(self.control, P.LoaderReady(os.getpid(), imported, refused=sorted(self.refused_modules)))
@@ -275,6 +276,7 @@ class WarmInterpreter:
         now, self.to_learn = self.to_learn[:last + 1], self.to_learn[last + 1:]
         self._import(now)
         self._record_files()
+        _index_bound_names()
 
     def _learn_one(self) -> None:
         """One learned module, then back to select: a Fork waiting goes first (Note [Warm interpreters learn])."""
@@ -287,6 +289,7 @@ class WarmInterpreter:
                 os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         if not self.to_learn:
             self._record_files()
+            _index_bound_names()
 
     def _front_end_gone(self, pid: int, child: _RunChild) -> None:
         """The front end closed its connection (killed, or its terminal went away): so does the run."""
@@ -386,6 +389,7 @@ class WarmInterpreter:
         except BlockingIOError:
             pass
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        _index_bound_names()  # at once unless something was imported since the last time
         gc.freeze()  # Note [Frozen before forking]
         pid = os.fork()
         if pid == 0:
@@ -419,6 +423,18 @@ class WarmInterpreter:
             if child.report >= 0:
                 os.close(child.report)
         self.control.close()
+
+
+def _index_bound_names() -> None:
+    """The pass over every module that a run's ``monkey_patch_all()`` would make, made here
+    once, before forking: Note [Names bound before patching] in overmind.patching."""
+    from overmind import patching
+    from overmind.api import DEFAULT_PATCH_POINTS
+
+    try:
+        patching.index_bound_names(patching.PatchPoint.parse(p) for p in DEFAULT_PATCH_POINTS)
+    except Exception:  # noqa: BLE001 - a run then makes the pass itself
+        logger.debug("indexing bound names failed", exc_info=True)
 
 
 def _yield_cpu() -> bool:

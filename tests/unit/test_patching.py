@@ -526,6 +526,149 @@ def test_get_original_of_unpatched_point_returns_current_attribute(fakelib: Path
     )
 
 
+# --- names bound before patching: Note [Names bound before patching] ------------------------------
+
+# A module that copied the loader into its globals when it was imported, as peft does with
+# ``from safetensors.torch import load_file as safe_load_file``.
+USER = """
+from fakelib.loaders import load as fetch
+from fakelib.loaders import load
+
+class Holder:
+    kept = staticmethod(load)  # a class attribute: looked up through the class, left alone
+
+def use(path):
+    return fetch(path)
+"""
+
+
+@pytest.fixture
+def fakeuser(fakelib: Path) -> Path:
+    (fakelib / "fakelib" / "user.py").write_text(USER)
+    return fakelib
+
+
+def test_names_bound_before_patching_get_the_wrapper_and_unpatch_restores_them(fakeuser: Path) -> None:
+    run_script(
+        """
+        from fakelib import loaders, user
+        original = loaders.load
+        patching.patch([P("fakelib.loaders::load")], factory)
+        guard = loaders.load
+        assert user.fetch is guard and user.load is guard
+        assert user.use("ckpt") == ("load", "ckpt", None)  # the module's own code looks the name up
+        assert CALLS == [("fakelib.loaders::load", None, True)], CALLS
+        assert user.Holder.__dict__["kept"].__func__ is original
+        assert patching.get_original("fakelib.loaders", "load") is original
+
+        patching.unpatch_all()
+        assert loaders.load is original and user.fetch is original and user.load is original
+        user.use("after")
+        assert len(CALLS) == 1, CALLS
+        """,
+        fakeuser,
+    )
+
+
+def test_a_warm_interpreters_index_finds_names_bound_before_and_after_it_without_a_whole_pass(fakeuser: Path) -> None:
+    (fakeuser / "fakelib" / "late.py").write_text("from fakelib.loaders import load as late_load\n")
+    run_script(
+        """
+        import sys
+        from fakelib import loaders, user
+        patching.index_bound_names([P("fakelib.loaders::load")])  # the warm interpreter, before it forks
+        from fakelib import late  # the child imports more before it patches
+        passes = []
+        whole = patching._bound_in
+        patching._bound_in = lambda modules, targets: passes.append(len(modules)) or whole(modules, targets)
+        patching.patch([P("fakelib.loaders::load")], factory)
+        guard = loaders.load
+        assert user.fetch is guard and user.load is guard and late.late_load is guard
+        assert passes == [1], passes  # only the module imported after the index
+        patching.unpatch_all()
+        assert late.late_load is loaders.load and user.fetch is loaders.load
+
+        # A module indexed is gone and one is new, at the same count: the tail cannot be told
+        # from the rest, so the whole pass again.
+        del sys.modules["fakelib.late"], sys.modules["fakelib.user"]
+        import importlib
+        late = importlib.import_module("fakelib.late")
+        patching.patch([P("fakelib.loaders::load")], factory)
+        assert late.late_load is loaders.load and len(passes) == 2 and passes[-1] > 1, passes
+        """,
+        fakeuser,
+    )
+
+
+def test_unpatch_leaves_an_alias_rebound_since_patching(fakeuser: Path) -> None:
+    run_script(
+        """
+        from fakelib import loaders, user
+        original = loaders.load
+        patching.patch([P("fakelib.loaders::load")], factory)
+        mine = lambda path: ("mine", path)
+        user.fetch = mine
+        patching.unpatch_all()
+        assert user.fetch is mine and user.load is original
+        """,
+        fakeuser,
+    )
+
+
+def test_names_bound_after_patching_come_from_the_import_hook_path(fakeuser: Path) -> None:
+    run_script(
+        """
+        patching.patch([P("fakelib.loaders::load")], factory)
+        from fakelib import user  # imports fakelib.loaders first: patched before user binds it
+        from fakelib import loaders
+        assert user.fetch is loaders.load and patching.is_patched(user.fetch)
+        patching.unpatch_all()  # a name bound to the wrapper keeps it, and it acts as the original
+        assert not patching.is_patched(user.fetch) and user.fetch("x") == ("load", "x", None)
+        assert CALLS == [], CALLS
+        """,
+        fakeuser,
+    )
+
+
+def test_the_defining_module_and_overminds_own_modules_keep_the_original(fakeuser: Path) -> None:
+    (fakeuser / "fakelib" / "__init__.py").write_text("from .loaders import load\n")
+    run_script(
+        """
+        import types
+        import fakelib
+        from fakelib import loaders, user
+        original = loaders.load
+        ours = sys.modules["overmind._test_holder"] = types.ModuleType("overmind._test_holder")
+        ours.load = original
+        patching.patch([P("fakelib::load")], factory)  # a re-export: the definition stays
+        assert patching.is_patched(fakelib.load) and user.fetch is fakelib.load
+        assert loaders.load is original and ours.load is original
+        patching.unpatch_all()
+        assert fakelib.load is original and user.fetch is original
+        """,
+        fakeuser,
+    )
+
+
+@needs("torch", "safetensors", "peft")
+def test_peft_imported_before_patching_loads_adapters_through_the_wrapper() -> None:
+    # What a warm `overmind run` child sees: peft was imported before monkey_patch_all().
+    run_script(
+        """
+        import torch, safetensors.torch
+        import peft.utils.save_and_load as save_and_load
+        original = safetensors.torch.load_file
+        assert save_and_load.safe_load_file is original
+        patching.patch([P("safetensors.torch::load_file"), P("torch::load")], factory)
+        assert save_and_load.safe_load_file is safetensors.torch.load_file
+        assert patching.is_patched(save_and_load.safe_load_file)
+        assert torch.serialization.load is patching.get_original("torch", "load")  # the definition
+        patching.unpatch_all()
+        assert save_and_load.safe_load_file is original and safetensors.torch.load_file is original
+        """
+    )
+
+
 # --- the real libraries -------------------------------------------------------------------
 
 
