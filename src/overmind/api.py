@@ -464,7 +464,7 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
     Idempotent; imports none of the patched libraries (see the module docstring).
     """
-    from overmind.config import extra_patch_points, patching_disabled, prestart_enabled
+    from overmind.config import extra_patch_points, patching_disabled, prestart_enabled, quick_exit_enabled
 
     if patching_disabled():
         return
@@ -480,6 +480,10 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
     points += patching.parse_patch_specs(extra_env) if extra_env.strip() else []
     points += [patching.PatchPoint.parse(p) for p in extra]
     patching.patch(points, _make_wrapper)
+    if quick_exit_enabled():
+        from overmind import teardown
+
+        teardown.leave_quickly()  # Note [The drop-in leaves quickly]
     if prestart_enabled():
         threading.Thread(target=_prepare, daemon=True, name="overmind-prepare").start()
 

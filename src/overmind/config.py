@@ -30,6 +30,8 @@ Standard library only (the server imports it)::
 ``OVERMIND_NO_AUTOSTART``  ``1``: clients never start a server themselves.
 ``OVERMIND_PRESTART``      ``0``: ``monkey_patch_all()`` does not ask the server, in the
                            background, to get a loader ready for this process.
+``OVERMIND_QUICK_EXIT``    ``0``: ``monkey_patch_all()`` leaves the interpreter's teardown as
+                           it is (Note [The drop-in leaves quickly] in overmind.teardown).
 ``OVERMIND_MAX_MEMORY``    server memory budget: ``40G``, ``512M``, ``60%`` of RAM or bytes
                            (default 50% of RAM); least recently used entries are evicted.
 ``OVERMIND_LOG_LEVEL``     server log level: DEBUG, INFO (default), WARNING, ERROR or CRITICAL.
@@ -420,6 +422,11 @@ def patching_disabled(env=None) -> bool:
 def prestart_enabled(env=None) -> bool:
     """``OVERMIND_PRESTART`` (default on)."""
     return flag("OVERMIND_PRESTART", env, default=True)
+
+
+def quick_exit_enabled(env=None) -> bool:
+    """``OVERMIND_QUICK_EXIT`` (default on)."""
+    return flag("OVERMIND_QUICK_EXIT", env, default=True)
 
 
 def extra_patch_points(env=None) -> str:

@@ -48,7 +48,7 @@ A fork inherits what no Python code can undo; these differ from a fresh ``python
   started: ``signal.getsignal()`` says SIG_DFL, not None, for the signals it catches.
 - Module teardown is not replayed at exit: __main__'s globals are released (their ``__del__``
   runs) and every file left open is flushed, but objects held only by other modules are not
-  finalized (Note [Output is never lost at exit]).
+  finalized (Note [Output is never lost at exit] in overmind.teardown).
 - torch (2.13) seeds its default CPU generator from OS entropy at start, so ``torch.randn(3)``
   of a fresh interpreter is already unrepeatable; a run reseeds it the same way.
 """
@@ -77,6 +77,7 @@ import types
 from dataclasses import dataclass
 from typing import Callable, NoReturn
 
+from overmind import teardown
 from overmind.installed import RUN_FOLDERS, installed_modules  # noqa: F401  (installed_modules: re-exported)
 
 __all__ = ["become", "installed_modules", "ZYGOTE_ENV"]
@@ -131,6 +132,7 @@ def become(spec: dict, stdin_fd: int, stdout_fd: int, stderr_fd: int) -> NoRetur
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         _install_fds(stdin_fd, stdout_fd, stderr_fd)
         run = _parse_spec(spec)
+        teardown.exit_handled_elsewhere()  # _finalize leaves; monkey_patch_all() adds nothing
         try:
             importer = _prepare(run)
         except BaseException as exc:  # noqa: BLE001 - no user code ran yet: start it cold
@@ -595,10 +597,10 @@ def _flush_std(report: bool = True) -> bool:
 def _finalize(status: int) -> int:
     """Py_FinalizeEx's visible part: Note [Exit like Py_RunMain].
 
-    Note [Output is never lost at exit]
     os._exit() skips the teardown in which a fresh python closes what is still open. So after
     the flush, __main__'s globals are released as that teardown would (their __del__ runs),
-    every file object the run left open is flushed, and stdout and stderr once more."""
+    every file object the run left open is flushed (Note [Output is never lost at exit] in
+    overmind.teardown), and stdout and stderr once more."""
     if (threading := sys.modules.get("threading")) is not None:
         try:
             threading._shutdown()
@@ -644,20 +646,8 @@ def _release_main(threading: types.ModuleType | None) -> None:
 
 
 def _flush_left_open() -> None:
-    """Flush the files the run left open (Note [Output is never lost at exit]). What the
-    zygote froze with gc.freeze() is not even looked at."""
+    """Flush the files the run left open (Note [Output is never lost at exit] in
+    overmind.teardown). What the zygote froze with gc.freeze() is not even looked at."""
     skip = {id(s) for s in _ZYGOTE_STREAMS} | {id(getattr(s, "buffer", None)) for s in _ZYGOTE_STREAMS}
     skip |= {id(sys.stdout), id(sys.stderr)}  # _flush_std's
-    texts, buffers = [], []
-    for obj in gc.get_objects():
-        kind = type(obj)  # not isinstance(), which reads __class__: some proxies warn on it
-        if issubclass(kind, io.TextIOWrapper):
-            texts.append(obj)
-        elif issubclass(kind, (io.BufferedWriter, io.BufferedRandom)):
-            buffers.append(obj)
-    for stream in texts + buffers:  # text first: its pending text lands in its buffer
-        try:
-            if id(stream) not in skip and not stream.closed:
-                stream.flush()
-        except BaseException:  # noqa: BLE001 - a fresh python would not report it either
-            pass
+    teardown.flush_left_open(skip)

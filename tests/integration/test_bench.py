@@ -96,6 +96,17 @@ WHOLE = {
                               "x_plain": {"ready": (float, None), "used": (float, None), "wall": (float, None)}}]}],
 }
 SCHEMA["whole_process"] = (WHOLE, None)
+CURVE_RUN = {"wall": float, "ready": (float, None), "used": (float, None), "sum": (int, None), "hits": int,
+             "misses": int, "forked": bool, "fallback": bool}
+CURVE = {
+    "rounds": int, "plain_runs": int, "modes": [("patched", "run")], "drop": (str, None),
+    "scripts": [{"name": str, "title": str, "command": str, "page_cache": ("warm", "cold"),
+                 "status": ("ok", "skipped", "failed"), "reason": (str, None), "plain": (SUMMARY, None),
+                 "modes": [{"mode": ("patched", "run"),
+                            "runs": [{"run": ("1", "2", "3", "4", "5", "restart"), "runs": [CURVE_RUN],
+                                      "wall": (SUMMARY, None), "x_plain": (float, None)}]}]}],
+}
+SCHEMA["warmup_curve"] = (CURVE, None)
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +216,34 @@ def test_whole_process_times_each_script_from_the_shell_in_the_mode_it_claims(tm
     assert "\ncontrolnet: `python controlnet.py`" in proc.stdout and "overmind run, new context" in proc.stdout
 
 
+@pytest.mark.slow
+def test_warm_up_curve_runs_each_mode_from_a_fresh_server_and_every_run_reads_plains_weights(tmp_path):
+    """overmind.bench.curve: runs 1-5 back to back and one after a restart, per mode, each from a
+    fresh server; a run whose weights differ from plain's would fail the curve."""
+    out = tmp_path / "bench.json"
+    proc = bench("--scenarios", "warmup_curve", "--scale", "tiny", "--curve-scripts", "lm", "--curve-rounds", "1",
+                 "--cache-dir", str(tmp_path / "cache"), "--json", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    doc = json.loads(out.read_text())
+    check_schema(doc, SCHEMA)
+    curve = doc["warmup_curve"]
+    assert (curve["rounds"], curve["plain_runs"], curve["modes"], curve["drop"]) == (1, 3, ["patched", "run"], None)
+    [lm] = curve["scripts"]
+    assert (lm["name"], lm["page_cache"], lm["status"], lm["plain"]["n"]) == ("lm", "warm", "ok", 3)
+    for mode in lm["modes"]:
+        runs = {r["run"]: r["runs"][0] for r in mode["runs"]}
+        assert list(runs) == ["1", "2", "3", "4", "5", "restart"]
+        assert len({r["sum"] for r in runs.values()}) == 1, runs  # the same weights every run
+        # A fresh server and after its restart: an empty cache, the run misses; by run 5 it hits.
+        for run in ("1", "restart"):
+            assert (runs[run]["hits"], runs[run]["misses"]) == (0, 1), (mode["mode"], run, runs[run])
+        assert runs["5"]["hits"] == 1 and runs["5"]["misses"] == 0, (mode["mode"], runs)
+        assert not runs["1"]["forked"]  # the first overmind run of a fresh server goes plain
+        assert all(r["x_plain"] > 0 for r in mode["runs"])
+    assert "warm-up curve: runs 1-5 of a script back to back" in proc.stdout
+    assert proc.stdout.index("warm-up curve") < proc.stdout.index("\nlm: `python lm.py`")
+
+
 def test_usage_errors_exit_2_and_say_what_is_wrong(tmp_path):
     for args, message in [
         (["--loader", "diffusers:DiffusionPipeline"], "--loader and --model go together"),
@@ -215,6 +254,8 @@ def test_usage_errors_exit_2_and_say_what_is_wrong(tmp_path):
         (["--whole-modes", "run,patched"], "--whole-modes must include plain"),
         (["--whole-scripts", "lm,nope"], "--whole-scripts: unknown nope"),
         (["--whole-runs", "0"], "--whole-runs must be at least 1"),
+        (["--curve-scripts", "imports"], "--curve-scripts: unknown imports; choose from controlnet, lm"),
+        (["--curve-rounds", "0"], "--curve-rounds must be at least 1"),
         (["--shmem-enabled", "never,sometimes"], "--shmem-enabled: unknown sometimes; choose from always,"),
         (["--shmem-enabled", ","], "--shmem-enabled needs at least one value"),
     ]:

@@ -191,3 +191,57 @@ def test_whole_process_document_orders_rows_divides_by_plain_and_validates():
     assert "imports: `python -c \"import torch, diffusers, transformers\"`" in text
     bare = next(line for line in lines if line.startswith("overmind run ") and "page cache" not in line)
     assert bare.split()[2:4] == ["-", "-"]  # no model: no ready, no used
+
+
+def test_the_warm_up_curve_is_in_every_run_by_default_and_its_options_pick_scripts_modes_and_rounds():
+    quick, full = plan_of("--quick"), plan_of()
+    assert quick.curve_scripts == full.curve_scripts == ("controlnet", "lm")
+    assert (quick.curve_rounds, full.curve_rounds, full.curve_modes) == (1, 2, ("patched", "run"))
+    assert full.curve_page_cache == ("warm",) and full.curve_drop is None
+    picked = plan_of("--scenarios", "warmup_curve", "--curve-scripts", "lm", "--curve-modes", "run",
+                     "--curve-rounds", "3", "--drop-page-cache")
+    assert (picked.curve_scripts, picked.curve_modes, picked.curve_rounds, picked.scenarios) == (
+        ("lm",), ("run",), 3, [])
+    assert (picked.curve_page_cache, picked.curve_drop) == (("warm", "cold"), "posix_fadvise")
+    assert plan_of("--scenarios", "lm").curve_scripts == ()
+    with pytest.raises(ValueError, match="--curve-scripts: unknown imports"):
+        plan_of("--curve-scripts", "imports")  # it loads no model: nothing to warm
+
+
+def _curve_results() -> dict:
+    """What WarmupCurve.run() returns for the lm script: 3 plain runs, then patched runs 1-5 and
+    after a restart, two rounds."""
+    from overmind.bench.curve import RUNS
+
+    def run(wall: float, hits: int) -> dict:
+        return {"wall": wall, "ready": wall - 0.5, "used": wall - 0.2, "sum": 1234, "hits": hits,
+                "misses": 1 - hits, "forked": False, "fallback": False}
+
+    walls = {"1": (5.0, 5.4), "2": (4.0, 4.2), "3": (4.0, 4.0), "4": (3.9, 4.1), "5": (4.0, 4.0),
+             "restart": (5.2, 5.0)}
+    patched = {r: [run(w, int(r not in ("1", "restart"))) for w in walls[r]] for r in RUNS}
+    return {"scripts": {("lm", "warm"): {"plain": [run(w, 0) for w in (5.0, 5.2, 4.8)], "patched": patched,
+                                         "status": "ok", "reason": None}}}
+
+
+def test_warm_up_curve_document_divides_each_run_by_plains_median_and_validates():
+    plan = Plan(scenarios=[], memory_cases=[], startup=False, curve_scripts=("lm",), curve_modes=("patched",))
+    doc = report.document(plan, {"scenarios": {}, "memory": []}, None, cache_dir="/tmp/cache", wall_s=1.0,
+                          cuda_device=None, argv=["overmind-bench"], curve=_curve_results())
+    doc = json.loads(json.dumps(doc))
+    report.validate(doc)
+    [lm] = doc["warmup_curve"]["scripts"]
+    assert (lm["page_cache"], lm["plain"]["median"], lm["status"]) == ("warm", 5.0, "ok")
+    [patched] = lm["modes"]
+    assert [r["run"] for r in patched["runs"]] == ["1", "2", "3", "4", "5", "restart"]
+    assert [r["x_plain"] for r in patched["runs"]] == pytest.approx([1.04, 0.82, 0.8, 0.8, 0.8, 1.02])
+
+    bad = copy.deepcopy(doc)
+    bad["warmup_curve"]["scripts"][0]["modes"][0]["runs"][1]["runs"][0].pop("sum")
+    with pytest.raises(ValueError, match=re.escape("$.warmup_curve.scripts[0].modes[0].runs[1].runs[0]: missing")):
+        report.validate(bad)
+
+    text = report.format_tables(doc)
+    row = next(line for line in text.splitlines() if line.startswith("python + monkey_patch_all()"))
+    assert row.split()[3:] == ["1.04", "0.82", "0.80", "0.80", "0.80", "1.02"]
+    assert "lm: `python lm.py`, page cache warm; python 5.000 s" in text

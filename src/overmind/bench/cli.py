@@ -14,6 +14,8 @@ from typing import Optional
 
 from overmind.bench import models as M
 from overmind.bench import shmem
+from overmind.bench.curve import MODES as CURVE_MODES
+from overmind.bench.curve import WarmupCurve, drop_all_caches
 from overmind.bench.harness import BenchError, BenchServer, drop_page_cache, startup_overhead
 from overmind.bench.report import document, format_tables, plot, validate
 from overmind.bench.runner import MODES, Plan, Runner
@@ -25,13 +27,14 @@ from overmind.bench.whole import WholeProcess
 __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXTRA_SCENARIOS = ("whole_process", "custom", "memory", "startup")
+EXTRA_SCENARIOS = ("warmup_curve", "whole_process", "custom", "memory", "startup")
 # --quick: a small version of every scenario (Note [Processes per scenario or per run] in
 # overmind.bench.runner).
 QUICK = {"scale": "small", "runs": 1, "warm_runs": 1, "memory_procs": 2, "startup_repeats": 5,
-         "process_per": "run", "memory_cases": "controlnet", "whole_runs": 3}
+         "process_per": "run", "memory_cases": "controlnet", "whole_runs": 3, "curve_rounds": 1}
 FULL = {"scale": "base", "runs": 3, "warm_runs": 3, "memory_procs": 4, "startup_repeats": 20,
-        "process_per": "scenario", "memory_cases": "controlnet,fp32_as_fp16", "whole_runs": 5}
+        "process_per": "scenario", "memory_cases": "controlnet,fp32_as_fp16", "whole_runs": 5, "curve_rounds": 2}
+CURVE_SCRIPTS = ("controlnet", "lm")  # whole-process scripts that load a model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,8 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"its modes, from {', '.join(WHOLE_MODES)} (default all; plain is required)")
     parser.add_argument("--whole-runs", type=int, metavar="N",
                         help="its timed runs per script and mode (default 5; --quick: 3)")
+    parser.add_argument("--curve-scripts", metavar="LIST",
+                        help=f"the warm-up curve's scripts, from {', '.join(CURVE_SCRIPTS)} (default both)")
+    parser.add_argument("--curve-modes", metavar="LIST",
+                        help=f"its modes, from {', '.join(CURVE_MODES)} (default both; plain always runs)")
+    parser.add_argument("--curve-rounds", type=int, metavar="N",
+                        help="its rounds: each a fresh server per mode and runs 1-5 (default 2; --quick: 1)")
     parser.add_argument("--drop-page-cache", action="store_true",
                         help="also run every mode with the model's files evicted from the page cache")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="also run the warm-up curve with the whole machine's page cache dropped before every "
+                             "run (/proc/sys/vm/drop_caches: root only; what another workload leaves behind)")
     parser.add_argument("--shmem-enabled", metavar="LIST",
                         help="run the load scenarios once under each of these values of "
                              f"{shmem.SHMEM_ENABLED} in turn (from {', '.join(shmem.VALUES)}), e.g. never,advise: "
@@ -134,7 +146,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         extra["custom_files"] = _custom_files(model)
     allowed = (*LOAD_SCENARIOS, *EXTRA_SCENARIOS)
     default_list = ("custom,memory,startup" if custom
-                    else ",".join(("whole_process", *LOAD_SCENARIOS, "memory", "startup")))
+                    else ",".join(("warmup_curve", "whole_process", *LOAD_SCENARIOS, "memory", "startup")))
     chosen = _names(args.scenarios or default_list, allowed, "--scenarios")
     if "custom" in chosen and custom is None:
         raise ValueError("--scenarios custom needs --loader and --model")
@@ -154,7 +166,15 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
     whole_modes = tuple(_names(args.whole_modes or ",".join(WHOLE_MODES), WHOLE_MODES, "--whole-modes"))
     if "plain" not in whole_modes:
         raise ValueError("--whole-modes must include plain: every ratio is against it")
-    for option in ("runs", "warm_runs", "memory_procs", "startup_repeats", "whole_runs"):
+    curve_scripts = tuple(_names(args.curve_scripts or ",".join(CURVE_SCRIPTS), CURVE_SCRIPTS,
+                                 "--curve-scripts")) if "warmup_curve" in chosen else ()
+    curve_modes = tuple(_names(args.curve_modes or ",".join(CURVE_MODES), CURVE_MODES, "--curve-modes"))
+    if not curve_modes:
+        raise ValueError("--curve-modes needs at least one of " + ", ".join(CURVE_MODES))
+    if args.drop_caches and os.geteuid() != 0:
+        raise ValueError("--drop-caches writes /proc/sys/vm/drop_caches: run as root, or use --drop-page-cache "
+                         "(the model's files only, no privilege needed)")
+    for option in ("runs", "warm_runs", "memory_procs", "startup_repeats", "whole_runs", "curve_rounds"):
         value = getattr(args, option)
         if value is not None and value < 1:
             raise ValueError(f"--{option.replace('_', '-')} must be at least 1")
@@ -167,6 +187,10 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         process_per=args.process_per or defaults["process_per"], cold_mode=args.cold_mode, quick=args.quick,
         whole_scripts=whole_scripts, whole_modes=tuple(m for m in WHOLE_MODES if m in whole_modes),
         whole_runs=args.whole_runs or defaults["whole_runs"],
+        curve_scripts=curve_scripts, curve_modes=tuple(m for m in CURVE_MODES if m in curve_modes),
+        curve_rounds=args.curve_rounds or defaults["curve_rounds"],
+        curve_page_cache=("warm", "cold") if args.drop_caches or args.drop_page_cache else ("warm",),
+        curve_drop="drop_caches" if args.drop_caches else "posix_fadvise" if args.drop_page_cache else None,
         shmem_settings=tuple(dict.fromkeys(n.strip() for n in (args.shmem_enabled or "").split(",") if n.strip())),
     )
     if args.shmem_enabled is not None and not plan.shmem_settings:
@@ -223,14 +247,15 @@ def _run(args: argparse.Namespace, argv: list[str], plan: Plan, extra: dict, sta
     cache_dir = (args.cache_dir or M.default_cache_dir()).expanduser().resolve()
     needed = list(dict.fromkeys([*(n for s in [*plan.scenarios, *plan.memory_cases] if s.name not in plan.skipped
                                    for n in s.models),
-                                 *(n for name in plan.whole_scripts for n in WHOLE_SCRIPTS[name].models)]))
+                                 *(n for name in (*plan.curve_scripts, *plan.whole_scripts)
+                                   for n in WHOLE_SCRIPTS[name].models)]))
     log_dir = Path(tempfile.mkdtemp(prefix="overmind-bench-logs-"))
     try:
         server = BenchServer.start()
     except BenchError as err:
         print(f"overmind-bench: {err}", file=sys.stderr)
         return EXIT_FAILED
-    startup = whole = None
+    startup = whole = curve = None
     try:
         say(f"private overmind-server pid {server.pid} in {server.runtime_dir}; worker logs in {log_dir}")
         runner = Runner(plan, {}, server, log_dir, cwd=os.getcwd(), echo=say, switch=switch)
@@ -252,6 +277,8 @@ def _run(args: argparse.Namespace, argv: list[str], plan: Plan, extra: dict, sta
         runner.paths.update(extra)
         if args.drop_page_cache:
             _plan_page_cache(plan, runner.paths, say)
+        if plan.curve_scripts:
+            curve = _warmup_curve(plan, runner.paths, log_dir, say)
         results = runner.run()
         if plan.whole_scripts:
             whole = _whole_process(plan, runner.paths, server, log_dir, say)
@@ -267,7 +294,8 @@ def _run(args: argparse.Namespace, argv: list[str], plan: Plan, extra: dict, sta
     finally:
         server.stop()
     doc = document(plan, results, startup, cache_dir=cache_dir, wall_s=time.monotonic() - started,
-                   cuda_device=cuda_name, argv=["overmind-bench", *argv], whole=whole, shmem_enabled=shmem_enabled)
+                   cuda_device=cuda_name, argv=["overmind-bench", *argv], whole=whole, curve=curve,
+                   shmem_enabled=shmem_enabled)
     validate(doc)
     print(format_tables(doc), flush=True)
     if args.json:
@@ -284,6 +312,8 @@ def _run(args: argparse.Namespace, argv: list[str], plan: Plan, extra: dict, sta
     failed += [f"memory {m['scenario']}" for m in doc["memory"] if m["status"] == "failed"]
     failed += [f"whole process {s['name']}" for s in (doc["whole_process"] or {}).get("scripts", [])
                if s["status"] == "failed"]
+    failed += [f"warm-up curve {s['name']} (page cache {s['page_cache']})"
+               for s in (doc["warmup_curve"] or {}).get("scripts", []) if s["status"] == "failed"]
     if failed:
         say(f"overmind-bench: failed: {', '.join(failed)}; worker logs kept in {log_dir}")
         return EXIT_FAILED
@@ -299,6 +329,19 @@ def _whole_process(plan: Plan, paths: dict, server: BenchServer, log_dir: Path, 
         return whole.run()
     finally:
         whole.close()
+
+
+def _warmup_curve(plan: Plan, paths: dict, log_dir: Path, say) -> dict:
+    if plan.curve_drop == "drop_caches":
+        drop_all_caches()  # says now, not after the first round, when it is not permitted
+    curve = WarmupCurve(plan, paths, log_dir, echo=say)
+    say(f"warm-up curve: {', '.join(plan.curve_scripts)} x python, {', '.join(plan.curve_modes)}; "
+        f"{plan.curve_rounds} rounds of {plan.curve_plain} plain runs and runs 1-5 + restart per mode, "
+        f"page cache {' and '.join(plan.curve_page_cache)}; scripts in {curve.dir}")
+    try:
+        return curve.run()
+    finally:
+        curve.close()
 
 
 def _close_prestart(runner: Runner, worker, timeout: float = 60.0) -> None:

@@ -52,7 +52,19 @@ Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` o
                   "runs": [{"ready": float|null, "used": float|null, "wall": float,
                             "forked": bool, "hits": int, "misses": int}],
                   "summary": {"ready": summary|null, "used": summary|null, "wall": summary},
-                  "x_plain": {"ready": float|null, "used": float|null, "wall": float|null}}]}]}
+                  "x_plain": {"ready": float|null, "used": float|null, "wall": float|null}}]}]},
+      "warmup_curve": null | {             # overmind.bench.curve; null when not run
+          "rounds": int, "plain_runs": int, "modes": [str], "drop": str|null,
+          "scripts": [{
+              "name": str, "title": str, "command": str, "page_cache": "warm"|"cold",
+              "status": "ok"|"skipped"|"failed", "reason": str|null,
+              "plain": summary|null,           # python's exit, this page cache state
+              "modes": [{"mode": "patched"|"run",
+                         "runs": [{"run": "1"|...|"5"|"restart",
+                                   "runs": [{"wall": float, "ready": float|null, "used": float|null,
+                                             "sum": int|null, "hits": int, "misses": int,
+                                             "forked": bool, "fallback": bool}],
+                                   "wall": summary|null, "x_plain": float|null}]}]}]}
     }
 
 where ``holding`` is ``{"pss_bytes": int, "used_bytes": int, "pss_ratio": float,
@@ -64,7 +76,11 @@ fresh process is started from the shell (the bench) to its model ready (loaded a
 ``ready``), to every page of every weight read (``used``) and to its exit (``wall``); a run
 without a model (``-c "import ..."``) has only ``wall``. ``forked``: the server forked it from a
 warm interpreter; ``hits``/``misses``: the server's counters over the run. ``x_plain`` divides
-each median by plain's, same page cache state.
+each median by plain's, same page cache state. In ``warmup_curve``, one entry per round of
+the curve's run ``run`` (1 to 5 back to back from a fresh server and an empty cache,
+``restart`` after the server was restarted); ``sum``: the bytes the script read from its
+weights (one per page), equal to plain's in every run; ``x_plain``: the median exit over
+plain's median.
 """
 
 from __future__ import annotations
@@ -103,7 +119,7 @@ def _versions() -> dict:
 
 def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, wall_s: float,
              cuda_device: Optional[str], argv: list[str], whole: Optional[dict] = None,
-             shmem_enabled: Optional[str] = None) -> dict:
+             curve: Optional[dict] = None, shmem_enabled: Optional[str] = None) -> dict:
     """The JSON document of a run (schema in the module docstring). ``shmem_enabled``: the
     machine's value when the run started."""
     from overmind import __version__
@@ -164,6 +180,7 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
         "memory": [{**{k: m.get(k) for k in ("scenario", "procs", "tensor_bytes", "status", "reason")},
                     "plain": m.get("plain"), "overmind": m.get("overmind")} for m in results["memory"]],
         "whole_process": None if whole is None else _whole_document(plan, whole),
+        "warmup_curve": None if curve is None else _curve_document(plan, curve),
     }
 
 
@@ -172,6 +189,13 @@ def _whole_document(plan, whole: dict) -> dict:
 
     return {"runs": plan.whole_runs, "warmup_runs": plan.whole_warmup, "modes": list(plan.whole_modes),
             "context_var": CONTEXT_VAR, "scripts": summarize(whole, plan)}
+
+
+def _curve_document(plan, curve: dict) -> dict:
+    from overmind.bench.curve import summarize
+
+    return {"rounds": plan.curve_rounds, "plain_runs": plan.curve_plain, "modes": list(plan.curve_modes),
+            "drop": plan.curve_drop, "scripts": summarize(curve, plan)}
 
 
 # -- validation -------------------------------------------------------------------------------
@@ -243,6 +267,17 @@ def validate(doc: dict) -> None:
                                   "summary": {"ready": optional(_SUMMARY), "used": optional(_SUMMARY),
                                               "wall": _SUMMARY},
                                   "x_plain": {k: optional(_NUM) for k in times}}]}]})
+    curve = optional({
+        "rounds": int, "plain_runs": int, "modes": [one_of("patched", "run")], "drop": optional(str),
+        "scripts": [{"name": str, "title": str, "command": str, "page_cache": one_of("warm", "cold"),
+                     "status": one_of("ok", "skipped", "failed"), "reason": optional(str),
+                     "plain": optional(_SUMMARY),
+                     "modes": [{"mode": one_of("patched", "run"),
+                                "runs": [{"run": one_of("1", "2", "3", "4", "5", "restart"),
+                                          "runs": [{"wall": _NUM, "ready": optional(_NUM), "used": optional(_NUM),
+                                                    "sum": optional(int), "hits": int, "misses": int,
+                                                    "forked": bool, "fallback": bool}],
+                                          "wall": optional(_SUMMARY), "x_plain": optional(_NUM)}]}]}]})
     schema = {
         "schema_version": one_of(SCHEMA_VERSION), "tool": one_of("overmind-bench"), "overmind_version": str,
         "created": str, "command": [str], "wall_s": _NUM,
@@ -267,6 +302,7 @@ def validate(doc: dict) -> None:
                     "status": one_of("ok", "failed"), "reason": optional(str), "plain": holding,
                     "overmind": holding}],
         "whole_process": whole,
+        "warmup_curve": curve,
     }
     check(doc, schema, "$")
 
@@ -301,6 +337,8 @@ def format_tables(doc: dict) -> str:
     if settings["page_cache_method"]:
         out.append(f"page cache cold: {settings['page_cache_method']} on every file of the model before each run")
     out.append(_shmem_line(settings))
+    if doc.get("warmup_curve"):
+        out += ["", format_curve(doc["warmup_curve"])]
     if doc.get("whole_process"):
         out += ["", format_whole(doc["whole_process"])]
     for sc in doc["scenarios"]:
@@ -372,6 +410,28 @@ def _shmem_line(settings: dict) -> str:
         return "shmem_enabled: unknown (no /sys/kernel/mm/transparent_hugepage/shmem_enabled): small pages"
     pages = "huge pages where the kernel has them" if value in ALLOWING else "small (4 KiB) pages"
     return f"shmem_enabled: {value}: overmind's segments use {pages}"
+
+
+def format_curve(curve: dict) -> str:
+    """The warm-up curve: one block per script and page cache state, a row per mode."""
+    drop = {"posix_fadvise": "the model's files evicted before every run (posix_fadvise)",
+            "drop_caches": "the whole page cache dropped before every run (/proc/sys/vm/drop_caches)"}
+    out = [f"warm-up curve: runs 1-5 of a script back to back from a fresh server and an empty cache, then one "
+           f"after a server restart; each run's exit (whole process, from the shell) over python's median; "
+           f"median of {curve['rounds']} rounds, {curve['plain_runs']} python runs per round"]
+    for sc in curve["scripts"]:
+        state = "warm" if sc["page_cache"] == "warm" else drop.get(curve["drop"] or "", "cold")
+        plain = f"; python {_s(sc['plain']['median'])} s" if sc["plain"] else ""
+        out += ["", f"{sc['name']}: `{sc['command']}`, page cache {state}{plain}"]
+        if sc["status"] != "ok":
+            out.append(f"  {sc['status']}: {(sc['reason'] or '').splitlines()[0] if sc['reason'] else ''}")
+        rows = [["mode", "1", "2", "3", "4", "5", "after restart"]]
+        for m in sc["modes"]:
+            rows.append([WHOLE_LABELS[m["mode"]],
+                         *("-" if r["x_plain"] is None else f"{r['x_plain']:.2f}" for r in m["runs"])])
+        if len(rows) > 1:
+            out.append(_grid(rows))
+    return "\n".join(out)
 
 
 def format_whole(whole: dict) -> str:

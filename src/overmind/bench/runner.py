@@ -79,6 +79,13 @@ class Plan:
     whole_modes: tuple[str, ...] = ("plain", "patched", "run", "first_run")
     whole_runs: int = 5
     whole_warmup: int = 2
+    # The warm-up curve (overmind.bench.curve); no scripts: not run.
+    curve_scripts: tuple[str, ...] = ()
+    curve_modes: tuple[str, ...] = ("patched", "run")
+    curve_rounds: int = 2
+    curve_plain: int = 3  # plain runs per round: their median is the curve's baseline
+    curve_page_cache: tuple[str, ...] = ("warm",)
+    curve_drop: Optional[str] = None  # how the "cold" state drops: posix_fadvise or drop_caches
     # --shmem-enabled: the load scenarios run under each (Note [Runs under each shmem setting]);
     # empty: under the machine's value, unchanged.
     shmem_settings: tuple[str, ...] = ()

@@ -115,8 +115,8 @@ def mark(what, *more):
 
 
 def touch(modules):
-    """First use: read one byte of every page of every weight."""
-    seen, nbytes = set(), 0
+    """First use: read one byte of every page of every weight; (bytes, the sum of those read)."""
+    seen, nbytes, total = set(), 0, 0
     for module in modules:
         for tensor in [*module.parameters(), *module.buffers()]:
             storage = tensor.untyped_storage()
@@ -125,8 +125,8 @@ def touch(modules):
             seen.add(storage.data_ptr())
             nbytes += storage.nbytes()
             raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-            (raw[::4096].sum() + raw[-1]).item()
-    return nbytes
+            total += (raw[::4096].sum() + raw[-1]).item()
+    return nbytes, total
 
 
 import torch
@@ -144,7 +144,7 @@ pipe = StableDiffusionControlNetPipeline.from_pretrained(
     SD, vae=vae, controlnet=[depth, edge], torch_dtype=torch.float16, safety_checker=None)
 pipe.to("cpu")
 mark("ready")
-mark("used", touch(m for m in pipe.components.values() if isinstance(m, torch.nn.Module)))
+mark("used", *touch(m for m in pipe.components.values() if isinstance(m, torch.nn.Module)))
 ''',
     "lm": '''\
 from transformers import AutoModelForCausalLM
@@ -152,7 +152,7 @@ from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained({lm!r}, {dtype_keyword}=torch.bfloat16)
 model.to("cpu")
 mark("ready")
-mark("used", touch([model]))
+mark("used", *touch([model]))
 ''',
 }
 

@@ -1,0 +1,203 @@
+"""The warm-up curve: what a user meets in the loop edit, run, look, run again.
+
+    curve = WarmupCurve(plan, paths, log_dir, echo=say).run()   # report.document() wraps it
+
+For each of the whole-process scripts (:data:`overmind.bench.whole.SCRIPTS`) and each mode of
+:data:`MODES`, a fresh ``overmind-server`` in a private runtime directory with an empty cache,
+then runs 1 to 5 of the script with no pause between them (the next starts as the last exits:
+a fill, or the imports of a warm interpreter, that the server does behind run 1 must be done
+by the time run 2 needs it, or run 2 pays), then one more run after the server was restarted
+(its cache is gone with it). Plain ``python script.py`` runs in the same round, before the
+modes; each run's exit over plain's median is the figure. Modes:
+
+- ``patched``: ``python script.py``, the script calling ``monkey_patch_all()`` first;
+- ``run``: ``overmind run script.py``.
+
+Unlike the whole-process scenario, nothing waits for the server to go quiet between runs:
+that wait is exactly what a user does not do (Note [Quiet between runs] in
+overmind.bench.whole measures the opposite). Page cache: warm (the files read before each
+round), and with ``--drop-page-cache`` (the model's files) or ``--drop-caches`` (the whole
+machine's page cache, root only: what another workload leaves behind) dropped before every run,
+plain's included.
+
+Every run must exit 0 and print its markers, and the sum of the bytes it read from the weights
+(one byte of every page, as ``touch`` reads them) must equal plain's: a wrong or stale model
+fails the curve. A fallback warning is recorded, not failed: the curve shows what happens.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from overmind.bench.harness import BenchError, BenchServer, base_env, drop_page_cache
+from overmind.bench.models import model_files
+from overmind.bench.whole import FALLBACK_MARK, MARK, RUN_TIMEOUT, SCRIPTS, Script, script_source
+
+__all__ = ["MODES", "RUNS", "WarmupCurve", "drop_all_caches", "summarize"]
+
+MODES = ("patched", "run")
+RUNS = ("1", "2", "3", "4", "5", "restart")
+
+
+def drop_all_caches() -> str:
+    """The whole machine's page cache, dentries and inodes (``--drop-caches``): root only."""
+    import os
+
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as err:
+        raise BenchError(f"--drop-caches: cannot write /proc/sys/vm/drop_caches ({err}); it needs root") from None
+    return "drop_caches"
+
+
+class WarmupCurve:
+    def __init__(self, plan, paths: dict, log_dir: Path, echo=None) -> None:
+        self.plan, self.paths, self.log_dir = plan, paths, Path(log_dir)
+        self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.dir = Path(tempfile.mkdtemp(prefix="overmind-bench-curve-"))
+        front = Path(sys.executable).with_name("overmind")
+        self.front = [str(front), "run"] if front.exists() else [sys.executable, "-m", "overmind", "run"]
+        self.counter = 0
+        # (script, page cache) -> {"plain": [run], mode: {run: [run]}, "status", "reason"}
+        self.results: dict = {}
+
+    def files(self, script: Script) -> list[Path]:
+        return sorted({f for name in script.models for f in model_files(self.paths[name])})
+
+    def _drop(self, script: Script, cache_state: str) -> None:
+        if cache_state == "cold":
+            if self.plan.curve_drop == "drop_caches":
+                drop_all_caches()
+            else:
+                drop_page_cache(self.files(script))
+
+    def once(self, script: Script, mode: str, cache_state: str, label: str,
+             server: Optional[BenchServer]) -> dict:
+        """One fresh process from here, timed from just before its start to its exit."""
+        self._drop(script, cache_state)
+        argv = [*(self.front if mode == "run" else [sys.executable]), f"{script.name}.py"]
+        env = base_env() if server is None else server.client_env({"OVERMIND": "1"})
+        before = server.status() if server else {}
+        start = time.monotonic()
+        proc = subprocess.run(argv, cwd=self.dir, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=RUN_TIMEOUT)
+        wall = time.monotonic() - start
+        after = server.status() if server else {}
+        self.counter += 1
+        log = self.log_dir / f"curve-{self.counter:03d}-{label}.log"
+        log.write_text(f"$ {' '.join(argv)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        marks = {}
+        for line in proc.stdout.splitlines():
+            at = line.find(MARK)
+            if at >= 0:
+                what, t, _pid, _ppid, *more = line[at + len(MARK):].split()
+                marks[what] = (float(t) - start, more)
+        used = marks.get("used")
+        run = {"wall": wall, "ready": marks["ready"][0] if "ready" in marks else None,
+               "used": used[0] if used else None,
+               "sum": int(used[1][1]) if used and len(used[1]) > 1 else None,
+               "hits": after.get("hits", 0) - before.get("hits", 0),
+               "misses": after.get("misses", 0) - before.get("misses", 0),
+               "forked": after.get("runs", 0) - before.get("runs", 0) == 1,
+               "fallback": FALLBACK_MARK in proc.stderr}
+        problem = None
+        if proc.returncode != 0 or run["sum"] is None:
+            problem = f"{label}: exited with status {proc.returncode}, markers {sorted(marks)}; log: {log}\n" \
+                      f"{proc.stderr[-2000:]}"
+        return {"run": run, "problem": problem}
+
+    def _entry(self, script: Script, cache_state: str) -> dict:
+        return self.results.setdefault((script.name, cache_state), {
+            "plain": [], **{m: {r: [] for r in RUNS} for m in self.plan.curve_modes},
+            "status": "ok", "reason": None})
+
+    def _fail(self, entry: dict, reason: str) -> None:
+        if entry["status"] == "ok":
+            entry["status"], entry["reason"] = "failed", reason
+            self.echo(f"warm-up curve: FAILED: {reason.splitlines()[0]}")
+
+    def run(self) -> dict:
+        scripts = [SCRIPTS[n] for n in self.plan.curve_scripts]
+        for script in scripts:
+            (self.dir / f"{script.name}.py").write_text(
+                script_source(script.name, {n: self.paths[n] for n in script.models}))
+        for cache_state in self.plan.curve_page_cache:
+            for script in scripts:
+                entry = self._entry(script, cache_state)
+                for round_ in range(self.plan.curve_rounds):
+                    if entry["status"] != "ok":
+                        break
+                    self._round(script, cache_state, round_, entry)
+        return {"scripts": self.results, "dir": str(self.dir)}
+
+    def _round(self, script: Script, cache_state: str, round_: int, entry: dict) -> None:
+        name = f"{script.name} page cache {cache_state} round {round_ + 1}"
+        for i in range(self.plan.curve_plain):
+            done = self.once(script, "plain", cache_state, f"{script.name}-{cache_state}-plain-{round_ + 1}-{i + 1}",
+                             None)
+            if done["problem"]:
+                return self._fail(entry, done["problem"])
+            entry["plain"].append(done["run"])
+            self.echo(f"warm-up curve {name}: python {done['run']['wall']:.2f} s")
+        expected = entry["plain"][0]["sum"]
+        for mode in self.plan.curve_modes:
+            server = BenchServer.start()  # fresh: an empty cache, no warm interpreter
+            try:
+                for run in RUNS:
+                    if run == "restart":
+                        server.restart()
+                    done = self.once(script, mode, cache_state, f"{script.name}-{cache_state}-{mode}-"
+                                     f"{round_ + 1}-{run}", server)
+                    r = done["run"]
+                    if done["problem"] or r["sum"] != expected:
+                        return self._fail(entry, done["problem"] or f"{name}, {mode} run {run}: the weights read "
+                                          f"sum to {r['sum']}, plain's to {expected}: not the same model")
+                    entry[mode][run].append(r)
+                    self.echo(f"warm-up curve {name}: {mode} run {run}: {r['wall']:.2f} s, {r['hits']} hits, "
+                              f"{r['misses']} misses{', forked' if r['forked'] else ''}"
+                              f"{', FALLBACK' if r['fallback'] else ''}")
+            finally:
+                server.stop()
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(results: dict, plan) -> list[dict]:
+    """The ``warmup_curve.scripts`` list of the JSON document (schema in overmind.bench.report)."""
+    out = []
+    for cache_state in plan.curve_page_cache:
+        for name in plan.curve_scripts:
+            entry = results["scripts"].get((name, cache_state))
+            script = SCRIPTS[name]
+            item = {"name": name, "title": script.title, "command": script.command("python"),
+                    "page_cache": cache_state, "status": "skipped", "reason": "not run", "plain": None,
+                    "modes": []}
+            if entry is not None:
+                item.update(status=entry["status"], reason=entry["reason"])
+                plain = [r["wall"] for r in entry["plain"]]
+                item["plain"] = _summary(plain) if plain else None
+                for mode in plan.curve_modes:
+                    runs = []
+                    for run in RUNS:
+                        done = entry[mode][run]
+                        wall = _summary([r["wall"] for r in done]) if done else None
+                        runs.append({"run": run, "runs": done, "wall": wall,
+                                     "x_plain": wall["median"] / item["plain"]["median"]
+                                     if wall and item["plain"] else None})
+                    item["modes"].append({"mode": mode, "runs": runs})
+            out.append(item)
+    return out
