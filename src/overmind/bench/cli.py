@@ -336,7 +336,7 @@ def _warmup_curve(plan: Plan, paths: dict, log_dir: Path, say) -> dict:
         drop_all_caches()  # says now, not after the first round, when it is not permitted
     curve = WarmupCurve(plan, paths, log_dir, echo=say)
     say(f"warm-up curve: {', '.join(plan.curve_scripts)} x python, {', '.join(plan.curve_modes)}; "
-        f"{plan.curve_rounds} rounds of {plan.curve_plain} plain runs and runs 1-5 + restart per mode, "
+        f"{plan.curve_rounds} rounds of, per mode, {plan.curve_plain} plain runs then runs 1-5 and one after a restart, "
         f"page cache {' and '.join(plan.curve_page_cache)}; scripts in {curve.dir}")
     try:
         return curve.run()

@@ -7,8 +7,8 @@ For each of the whole-process scripts (:data:`overmind.bench.whole.SCRIPTS`) and
 then runs 1 to 5 of the script with no pause between them (the next starts as the last exits:
 a fill, or the imports of a warm interpreter, that the server does behind run 1 must be done
 by the time run 2 needs it, or run 2 pays), then one more run after the server was restarted
-(its cache is gone with it). Plain ``python script.py`` runs in the same round, before the
-modes; each run's exit over plain's median is the figure. Modes:
+(its cache is gone with it). Plain ``python script.py`` runs in the same round, right before
+each mode's runs; each run's exit over the median of plain's runs is the figure. Modes:
 
 - ``patched``: ``python script.py``, the script calling ``monkey_patch_all()`` first;
 - ``run``: ``overmind run script.py``.
@@ -141,15 +141,16 @@ class WarmupCurve:
 
     def _round(self, script: Script, cache_state: str, round_: int, entry: dict) -> None:
         name = f"{script.name} page cache {cache_state} round {round_ + 1}"
-        for i in range(self.plan.curve_plain):
-            done = self.once(script, "plain", cache_state, f"{script.name}-{cache_state}-plain-{round_ + 1}-{i + 1}",
-                             None)
-            if done["problem"]:
-                return self._fail(entry, done["problem"])
-            entry["plain"].append(done["run"])
-            self.echo(f"warm-up curve {name}: python {done['run']['wall']:.2f} s")
-        expected = entry["plain"][0]["sum"]
         for mode in self.plan.curve_modes:
+            # Plain's runs right before each mode's: a shared machine's speed drifts in minutes.
+            for i in range(self.plan.curve_plain):
+                done = self.once(script, "plain", cache_state, f"{script.name}-{cache_state}-plain-{round_ + 1}-"
+                                 f"{mode}-{i + 1}", None)
+                if done["problem"]:
+                    return self._fail(entry, done["problem"])
+                entry["plain"].append(done["run"])
+                self.echo(f"warm-up curve {name}: python {done['run']['wall']:.2f} s")
+            expected = entry["plain"][0]["sum"]
             server = BenchServer.start()  # fresh: an empty cache, no warm interpreter
             try:
                 for run in RUNS:

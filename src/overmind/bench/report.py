@@ -58,7 +58,8 @@ Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` o
           "scripts": [{
               "name": str, "title": str, "command": str, "page_cache": "warm"|"cold",
               "status": "ok"|"skipped"|"failed", "reason": str|null,
-              "plain": summary|null,           # python's exit, this page cache state
+              "plain": summary|null,           # python's exit, this page cache state: plain_runs
+                                               # runs before each mode's, every round
               "modes": [{"mode": "patched"|"run",
                          "runs": [{"run": "1"|...|"5"|"restart",
                                    "runs": [{"wall": float, "ready": float|null, "used": float|null,
@@ -418,7 +419,7 @@ def format_curve(curve: dict) -> str:
             "drop_caches": "the whole page cache dropped before every run (/proc/sys/vm/drop_caches)"}
     out = [f"warm-up curve: runs 1-5 of a script back to back from a fresh server and an empty cache, then one "
            f"after a server restart; each run's exit (whole process, from the shell) over python's median; "
-           f"median of {curve['rounds']} rounds, {curve['plain_runs']} python runs per round"]
+           f"median of {curve['rounds']} rounds; python: {curve['plain_runs']} runs before each mode's, every round"]
     for sc in curve["scripts"]:
         state = "warm" if sc["page_cache"] == "warm" else drop.get(curve["drop"] or "", "cold")
         plain = f"; python {_s(sc['plain']['median'])} s" if sc["plain"] else ""

@@ -83,7 +83,7 @@ class Plan:
     curve_scripts: tuple[str, ...] = ()
     curve_modes: tuple[str, ...] = ("patched", "run")
     curve_rounds: int = 2
-    curve_plain: int = 3  # plain runs per round: their median is the curve's baseline
+    curve_plain: int = 2  # plain runs before each mode's, per round: their median is the baseline
     curve_page_cache: tuple[str, ...] = ("warm",)
     curve_drop: Optional[str] = None  # how the "cold" state drops: posix_fadvise or drop_caches
     # --shmem-enabled: the load scenarios run under each (Note [Runs under each shmem setting]);
