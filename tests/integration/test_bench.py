@@ -101,7 +101,7 @@ CURVE_RUN = {"wall": float, "ready": (float, None), "used": (float, None), "sum"
 CURVE = {
     "rounds": int, "plain_runs": int, "modes": [("patched", "run")], "drop": (str, None),
     "scripts": [{"name": str, "title": str, "command": str, "page_cache": ("warm", "cold"),
-                 "status": ("ok", "skipped", "failed"), "reason": (str, None), "plain": (SUMMARY, None),
+                 "shmem_enabled": (str, None), "status": ("ok", "skipped", "failed"), "reason": (str, None), "plain": (SUMMARY, None),
                  "modes": [{"mode": ("patched", "run"),
                             "runs": [{"run": ("1", "2", "3", "4", "5", "restart"), "runs": [CURVE_RUN],
                                       "wall": (SUMMARY, None), "x_plain": (float, None)}]}]}],

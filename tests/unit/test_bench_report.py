@@ -220,7 +220,7 @@ def _curve_results() -> dict:
     walls = {"1": (5.0, 5.4), "2": (4.0, 4.2), "3": (4.0, 4.0), "4": (3.9, 4.1), "5": (4.0, 4.0),
              "restart": (5.2, 5.0)}
     patched = {r: [run(w, int(r not in ("1", "restart"))) for w in walls[r]] for r in RUNS}
-    return {"scripts": {("lm", "warm"): {"plain": [run(w, 0) for w in (5.0, 5.2, 4.8)], "patched": patched,
+    return {"settings": ["never"], "scripts": {("lm", "warm", "never"): {"plain": [run(w, 0) for w in (5.0, 5.2, 4.8)], "patched": patched,
                                          "status": "ok", "reason": None}}}
 
 
@@ -244,4 +244,4 @@ def test_warm_up_curve_document_divides_each_run_by_plains_median_and_validates(
     text = report.format_tables(doc)
     row = next(line for line in text.splitlines() if line.startswith("python + monkey_patch_all()"))
     assert row.split()[3:] == ["1.04", "0.82", "0.80", "0.80", "0.80", "1.02"]
-    assert "lm: `python lm.py`, page cache warm; python 5.000 s" in text
+    assert "lm: `python lm.py`, page cache warm, shmem_enabled never; python 5.000 s" in text

@@ -278,7 +278,7 @@ def _run(args: argparse.Namespace, argv: list[str], plan: Plan, extra: dict, sta
         if args.drop_page_cache:
             _plan_page_cache(plan, runner.paths, say)
         if plan.curve_scripts:
-            curve = _warmup_curve(plan, runner.paths, log_dir, say)
+            curve = _warmup_curve(plan, runner.paths, log_dir, say, switch)
         results = runner.run()
         if plan.whole_scripts:
             whole = _whole_process(plan, runner.paths, server, log_dir, say)
@@ -331,10 +331,10 @@ def _whole_process(plan: Plan, paths: dict, server: BenchServer, log_dir: Path, 
         whole.close()
 
 
-def _warmup_curve(plan: Plan, paths: dict, log_dir: Path, say) -> dict:
+def _warmup_curve(plan: Plan, paths: dict, log_dir: Path, say, switch: Optional[shmem.Switch]) -> dict:
     if plan.curve_drop == "drop_caches":
         drop_all_caches()  # says now, not after the first round, when it is not permitted
-    curve = WarmupCurve(plan, paths, log_dir, echo=say)
+    curve = WarmupCurve(plan, paths, log_dir, echo=say, switch=switch)
     say(f"warm-up curve: {', '.join(plan.curve_scripts)} x python, {', '.join(plan.curve_modes)}; "
         f"{plan.curve_rounds} rounds of, per mode, {plan.curve_plain} plain runs then runs 1-5 and one after a restart, "
         f"page cache {' and '.join(plan.curve_page_cache)}; scripts in {curve.dir}")

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from overmind.bench import shmem
 from overmind.bench.harness import BenchError, BenchServer, base_env, drop_page_cache
 from overmind.bench.models import model_files
 from overmind.bench.whole import FALLBACK_MARK, MARK, RUN_TIMEOUT, SCRIPTS, Script, script_source
@@ -60,14 +61,15 @@ def drop_all_caches() -> str:
 
 
 class WarmupCurve:
-    def __init__(self, plan, paths: dict, log_dir: Path, echo=None) -> None:
+    def __init__(self, plan, paths: dict, log_dir: Path, echo=None, switch=None) -> None:
         self.plan, self.paths, self.log_dir = plan, paths, Path(log_dir)
+        self.switch = switch  # --shmem-enabled: the curve runs under each value in turn
         self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
         self.dir = Path(tempfile.mkdtemp(prefix="overmind-bench-curve-"))
         front = Path(sys.executable).with_name("overmind")
         self.front = [str(front), "run"] if front.exists() else [sys.executable, "-m", "overmind", "run"]
         self.counter = 0
-        # (script, page cache) -> {"plain": [run], mode: {run: [run]}, "status", "reason"}
+        # (script, page cache, shmem_enabled) -> {"plain": [run], mode: {run: [run]}, "status", "reason"}
         self.results: dict = {}
 
     def files(self, script: Script) -> list[Path]:
@@ -115,8 +117,8 @@ class WarmupCurve:
                       f"{proc.stderr[-2000:]}"
         return {"run": run, "problem": problem}
 
-    def _entry(self, script: Script, cache_state: str) -> dict:
-        return self.results.setdefault((script.name, cache_state), {
+    def _entry(self, script: Script, cache_state: str, setting: Optional[str]) -> dict:
+        return self.results.setdefault((script.name, cache_state, setting), {
             "plain": [], **{m: {r: [] for r in RUNS} for m in self.plan.curve_modes},
             "status": "ok", "reason": None})
 
@@ -130,17 +132,21 @@ class WarmupCurve:
         for script in scripts:
             (self.dir / f"{script.name}.py").write_text(
                 script_source(script.name, {n: self.paths[n] for n in script.models}))
-        for cache_state in self.plan.curve_page_cache:
-            for script in scripts:
-                entry = self._entry(script, cache_state)
-                for round_ in range(self.plan.curve_rounds):
-                    if entry["status"] != "ok":
-                        break
-                    self._round(script, cache_state, round_, entry)
-        return {"scripts": self.results, "dir": str(self.dir)}
+        settings = self.switch.values if self.switch else [shmem.current()]
+        for setting in settings:
+            if self.switch:
+                self.switch.set(setting)
+            for cache_state in self.plan.curve_page_cache:
+                for script in scripts:
+                    entry = self._entry(script, cache_state, setting)
+                    for round_ in range(self.plan.curve_rounds):
+                        if entry["status"] != "ok":
+                            break
+                        self._round(script, cache_state, round_, entry, setting)
+        return {"scripts": self.results, "settings": settings, "dir": str(self.dir)}
 
-    def _round(self, script: Script, cache_state: str, round_: int, entry: dict) -> None:
-        name = f"{script.name} page cache {cache_state} round {round_ + 1}"
+    def _round(self, script: Script, cache_state: str, round_: int, entry: dict, setting: Optional[str]) -> None:
+        name = f"{script.name} page cache {cache_state}, shmem {setting}, round {round_ + 1}"
         for mode in self.plan.curve_modes:
             # Plain's runs right before each mode's: a shared machine's speed drifts in minutes.
             for i in range(self.plan.curve_plain):
@@ -180,25 +186,29 @@ def _summary(values: list[float]) -> dict:
 def summarize(results: dict, plan) -> list[dict]:
     """The ``warmup_curve.scripts`` list of the JSON document (schema in overmind.bench.report)."""
     out = []
-    for cache_state in plan.curve_page_cache:
-        for name in plan.curve_scripts:
-            entry = results["scripts"].get((name, cache_state))
-            script = SCRIPTS[name]
-            item = {"name": name, "title": script.title, "command": script.command("python"),
-                    "page_cache": cache_state, "status": "skipped", "reason": "not run", "plain": None,
-                    "modes": []}
-            if entry is not None:
-                item.update(status=entry["status"], reason=entry["reason"])
-                plain = [r["wall"] for r in entry["plain"]]
-                item["plain"] = _summary(plain) if plain else None
-                for mode in plan.curve_modes:
-                    runs = []
-                    for run in RUNS:
-                        done = entry[mode][run]
-                        wall = _summary([r["wall"] for r in done]) if done else None
-                        runs.append({"run": run, "runs": done, "wall": wall,
-                                     "x_plain": wall["median"] / item["plain"]["median"]
-                                     if wall and item["plain"] else None})
-                    item["modes"].append({"mode": mode, "runs": runs})
-            out.append(item)
+    for setting in results.get("settings") or [None]:
+        for cache_state in plan.curve_page_cache:
+            for name in plan.curve_scripts:
+                out.append(_summarize_one(results["scripts"].get((name, cache_state, setting)), plan, name,
+                                          cache_state, setting))
     return out
+
+
+def _summarize_one(entry: Optional[dict], plan, name: str, cache_state: str, setting: Optional[str]) -> dict:
+    script = SCRIPTS[name]
+    item = {"name": name, "title": script.title, "command": script.command("python"), "page_cache": cache_state,
+            "shmem_enabled": setting, "status": "skipped", "reason": "not run", "plain": None, "modes": []}
+    if entry is None:
+        return item
+    item.update(status=entry["status"], reason=entry["reason"])
+    plain = [r["wall"] for r in entry["plain"]]
+    item["plain"] = _summary(plain) if plain else None
+    for mode in plan.curve_modes:
+        runs = []
+        for run in RUNS:
+            done = entry[mode][run]
+            wall = _summary([r["wall"] for r in done]) if done else None
+            runs.append({"run": run, "runs": done, "wall": wall,
+                         "x_plain": wall["median"] / item["plain"]["median"] if wall and item["plain"] else None})
+        item["modes"].append({"mode": mode, "runs": runs})
+    return item

@@ -57,6 +57,7 @@ Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` o
           "rounds": int, "plain_runs": int, "modes": [str], "drop": str|null,
           "scripts": [{
               "name": str, "title": str, "command": str, "page_cache": "warm"|"cold",
+              "shmem_enabled": str|null,       # the value its runs ran under
               "status": "ok"|"skipped"|"failed", "reason": str|null,
               "plain": summary|null,           # python's exit, this page cache state: plain_runs
                                                # runs before each mode's, every round
@@ -271,8 +272,8 @@ def validate(doc: dict) -> None:
     curve = optional({
         "rounds": int, "plain_runs": int, "modes": [one_of("patched", "run")], "drop": optional(str),
         "scripts": [{"name": str, "title": str, "command": str, "page_cache": one_of("warm", "cold"),
-                     "status": one_of("ok", "skipped", "failed"), "reason": optional(str),
-                     "plain": optional(_SUMMARY),
+                     "shmem_enabled": optional(str), "status": one_of("ok", "skipped", "failed"),
+                     "reason": optional(str), "plain": optional(_SUMMARY),
                      "modes": [{"mode": one_of("patched", "run"),
                                 "runs": [{"run": one_of("1", "2", "3", "4", "5", "restart"),
                                           "runs": [{"wall": _NUM, "ready": optional(_NUM), "used": optional(_NUM),
@@ -423,7 +424,7 @@ def format_curve(curve: dict) -> str:
     for sc in curve["scripts"]:
         state = "warm" if sc["page_cache"] == "warm" else drop.get(curve["drop"] or "", "cold")
         plain = f"; python {_s(sc['plain']['median'])} s" if sc["plain"] else ""
-        out += ["", f"{sc['name']}: `{sc['command']}`, page cache {state}{plain}"]
+        out += ["", f"{sc['name']}: `{sc['command']}`, page cache {state}, shmem_enabled {sc['shmem_enabled']}{plain}"]
         if sc["status"] != "ok":
             out.append(f"  {sc['status']}: {(sc['reason'] or '').splitlines()[0] if sc['reason'] else ''}")
         rows = [["mode", "1", "2", "3", "4", "5", "after restart"]]
