@@ -38,21 +38,19 @@ takes root, CAP_SYS_NICE or an RLIMIT_NICE of 20 (``LimitNICE=20`` in a systemd 
 without them the kernel would keep a fill idle for good, so it takes nice 10 instead,
 which it keeps: about a tenth of a contended core, never starved.
 
-Note [Idle inside an autogroup]
+Note [Idle only inside the interpreter's autogroup]
 Where the kernel groups processes by session (``CONFIG_SCHED_AUTOGROUP``,
 ``/proc/sys/kernel/sched_autogroup_enabled`` 1, the default of most distributions), it first
-shares the CPU between the sessions' groups, by each group's nice value, and only then
-between the threads of a group by their policy. The server's processes are their own
-session, so a SCHED_IDLE loader got half of a contended core against a user's shell session
-all the same: measured here, 1 CPU-second in 1.4 s beside two normal-priority spinners, where
-the same loader in the spinners' own session got 0.06 s in 3 s. So each loader is a session
-of its own (``os.setsid()`` as it is forked: its autogroup holds it alone; the server waits
-for that before it writes, and never writes a group the loader shares), and its group's nice
-value follows its policy: 19 while it yields, 0 once lifted, ``FILL_NICE`` with the nice
-fallback (``/proc/PID/autogroup``; raising it needs no privilege, lowering it back to 0 none
-either). Measured with a CPU pinned to each of two spinners: a SCHED_IDLE loader in a group of
-its own at nice 19 got 0.12 CPU-seconds in 2 s (at nice 0: 1.37). Unprivileged writers may change an autogroup's nice value once per 100 ms of the
-whole machine (EAGAIN): tried a few times, then left as it is.
+shares the CPU between the sessions' groups and only then between the threads of a group by
+their policy. A loader is in its warm interpreter's session (with that interpreter's learning
+and the runs it forks), so SCHED_IDLE makes a fill yield to those, but against a user's shell
+session the group competes as any other: beside two spinners pinned to the two CPUs, a
+SCHED_IDLE process of another session got 1.37 CPU-seconds in 2 s, one of the spinners' own
+session 0.05. Tried: each loader a session of its own whose autogroup is at nice 19 while it
+yields (0.12 CPU-seconds in 2 s). The fills then starved behind the interpreter's learning,
+and runs 2 to 5 of ``overmind run`` of the seed's script found the pipeline still filling
+(0.18-0.20 x plain instead of 0.08-0.13 x), so that was taken back; OVERMIND_FILL_YIELD is
+the bound either way (tests/integration/test_cold_priority.py keeps every CPU busy).
 """
 
 from __future__ import annotations
@@ -89,9 +87,6 @@ class Fill:
 
 
 FILL_NICE = 10  # Note [Cold fills yield to their caller]: where SCHED_IDLE could not be lifted
-IDLE_GROUP_NICE = 19  # Note [Idle inside an autogroup]
-AUTOGROUP_TRIES = 3
-SESSION_WAIT = 0.5  # seconds a new loader may take to reach its setsid()
 CALLER_POLL = 0.1  # seconds between two looks at the caller's CPU time
 CALLER_QUIET = 2  # polls in a row under half a core: its load is over
 
@@ -145,37 +140,6 @@ def every_thread(pid: int, change) -> bool:
                 return False
         done |= tids
     return True
-
-
-def autogroup_nice(pid: int, nice: int) -> bool:
-    """Set the nice value of ``pid``'s autogroup (Note [Idle inside an autogroup]), once ``pid``
-    leads a session of its own (a loader calls setsid() as it starts: until then its group is
-    the server's). False where the kernel has none, refused, or ``pid`` never became a leader."""
-    deadline = time.monotonic() + SESSION_WAIT
-    while True:
-        try:
-            if os.getsid(pid) == pid:
-                break
-        except OSError:
-            return False  # gone
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    for attempt in range(AUTOGROUP_TRIES):
-        try:
-            fd = os.open(f"/proc/{pid}/autogroup", os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return False  # no autogroups here, or the process is gone
-        try:
-            os.write(fd, b"%d" % nice)
-            return True
-        except BlockingIOError:  # EAGAIN: another group's value changed in the last 100 ms
-            time.sleep(0.1 if attempt + 1 < AUTOGROUP_TRIES else 0)
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-    return False
 
 
 def to_idle(tid: int) -> None:
@@ -245,10 +209,9 @@ class FillPriorities:
                 how = "normal priority" + (" (a caller waits for it)" if not fill.background else "")
             elif self.can_lift_idle and every_thread(pid, to_idle):
                 fill.idle, fill.yielded_at = True, time.monotonic()
-                how = "idle priority (SCHED_IDLE" + (", autogroup nice 19)" if autogroup_nice(pid, IDLE_GROUP_NICE)
-                                                     else ")")
+                how = "idle priority (SCHED_IDLE)"
             elif every_thread(pid, to_nice):
-                how = f"nice {FILL_NICE}" + (", autogroup too" if autogroup_nice(pid, FILL_NICE) else "")
+                how = f"nice {FILL_NICE}"
             else:
                 how = "normal priority (could not lower it)"
         logger.info("loader pid %d fills %s at %s", pid, fill.key[:16], how)
@@ -271,9 +234,7 @@ class FillPriorities:
         if not fill.idle:
             return
         fill.idle = False
-        lifted = every_thread(fill.pid, to_normal)
-        autogroup_nice(fill.pid, 0)  # where there is none, nothing to lift
-        if lifted:
+        if every_thread(fill.pid, to_normal):
             logger.info("loader pid %d fills %s at normal priority now: %s", fill.pid, fill.key[:16], why)
         else:
             logger.warning("loader pid %d filling %s stays at idle priority (%s): the kernel refused", fill.pid,

@@ -365,7 +365,6 @@ class WarmInterpreter:
             code = 1
             try:
                 self._in_child()
-                os.setsid()  # its own autogroup: Note [Idle inside an autogroup] in overmind.fill_priority
                 from overmind.loader import run_job
 
                 try:

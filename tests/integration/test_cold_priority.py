@@ -118,8 +118,6 @@ def test_a_fill_nobody_waits_for_runs_at_idle_priority(server, slowlib):
     assert caller["w"] == [0.0, 1.0, 2.0, 3.0]  # the caller loaded plainly, without waiting for the fill
     pid = _loader_pid(server, slowlib)
     assert _policies(pid) == {os.SCHED_IDLE}, server.log()[-2000:]
-    if os.path.exists("/proc/self/autogroup"):  # Note [Idle inside an autogroup]: a group of its own, nice 19
-        assert os.getsid(pid) == pid and open(f"/proc/{pid}/autogroup").read().split()[-1] == "19"
     assert server.status()["loading"] == 1
     status = _go(server, slowlib)
     assert status["entries"] == 1, status
@@ -238,8 +236,8 @@ def test_a_joined_fill_that_runs_late_is_left_after_one_plain_load_time(server, 
 
 
 def test_on_a_machine_kept_busy_a_fill_still_ends_once_it_yielded_its_bound(runtime_dir, slowlib):
-    """Every core spinning at normal priority: SCHED_IDLE alone would starve the fill (a CPU-second
-    of work) for as long as they spin. After OVERMIND_FILL_YIELD seconds it competes normally and is cached while they
+    """Every core spinning at normal priority: SCHED_IDLE alone would hold the fill (3 CPU-seconds
+    of work) back for as long as they spin (Note [Idle only inside the interpreter's autogroup]). After OVERMIND_FILL_YIELD seconds it competes normally and is cached while they
     still spin (the decision is asserted, not a time: how soon it ends is the machine's)."""
     server = ServerProcess(runtime_dir, {"OVERMIND_FILL_YIELD": "2"})
     # One spinner pinned to each CPU this test may use: none is left free for the balancer to find.
@@ -248,14 +246,13 @@ def test_on_a_machine_kept_busy_a_fill_still_ends_once_it_yielded_its_bound(runt
     spinners = [subprocess.Popen([sys.executable, "-c", spin, str(cpu)]) for cpu in sorted(os.sched_getaffinity(0))]
     try:
         (slowlib / "go").touch()  # the loader does not wait for the test,
-        (slowlib / "work").write_text("1.0")  # but needs a CPU-second: starved while it is idle
+        (slowlib / "work").write_text("3.0")  # but needs 3 CPU-seconds: still running at the bound
         _call(server, slowlib)
         status = server.wait_idle(timeout=WAIT)
         assert all(s.poll() is None for s in spinners), "the spinners stopped before the fill ended"
         assert status["entries"] == 1 and status["loading"] == 0, status
         log = server.log()
-        idle = "SCHED_IDLE, autogroup nice 19" if os.path.exists("/proc/self/autogroup") else "SCHED_IDLE)"
-        assert f"idle priority ({idle}" in log and "OVERMIND_FILL_YIELD=2s" in log, log[-3000:]
+        assert "idle priority (SCHED_IDLE)" in log and "OVERMIND_FILL_YIELD=2s" in log, log[-3000:]
     finally:
         for s in spinners:
             s.kill()
