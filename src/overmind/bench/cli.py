@@ -15,8 +15,8 @@ from typing import Optional
 from overmind.bench import models as M
 from overmind.bench import shmem
 from overmind.bench.curve import MODES as CURVE_MODES
-from overmind.bench.curve import WarmupCurve, drop_all_caches
-from overmind.bench.harness import BenchError, BenchServer, drop_page_cache, startup_overhead
+from overmind.bench.curve import WarmupCurve
+from overmind.bench.harness import BenchError, BenchServer, drop_all_caches, drop_page_cache, startup_overhead
 from overmind.bench.report import document, format_tables, plot, validate
 from overmind.bench.runner import MODES, Plan, Runner
 from overmind.bench.scenarios import LOAD_SCENARIOS, SCENARIOS, custom_scenario

@@ -37,27 +37,14 @@ from pathlib import Path
 from typing import Optional
 
 from overmind.bench import shmem
-from overmind.bench.harness import BenchError, BenchServer, base_env, drop_page_cache
-from overmind.bench.models import model_files
-from overmind.bench.whole import FALLBACK_MARK, MARK, RUN_TIMEOUT, SCRIPTS, Script, script_source
+from overmind.bench.harness import BenchServer, base_env, drop_all_caches, drop_page_cache
+from overmind.bench.whole import (FALLBACK_MARK, RUN_TIMEOUT, SCRIPTS, Script, front_end, read_marks, script_files,
+                                  script_source)
 
-__all__ = ["MODES", "RUNS", "WarmupCurve", "drop_all_caches", "summarize"]
+__all__ = ["MODES", "RUNS", "WarmupCurve", "summarize"]
 
 MODES = ("patched", "run")
 RUNS = ("1", "2", "3", "4", "5", "restart")
-
-
-def drop_all_caches() -> str:
-    """The whole machine's page cache, dentries and inodes (``--drop-caches``): root only."""
-    import os
-
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError as err:
-        raise BenchError(f"--drop-caches: cannot write /proc/sys/vm/drop_caches ({err}); it needs root") from None
-    return "drop_caches"
 
 
 class WarmupCurve:
@@ -66,21 +53,17 @@ class WarmupCurve:
         self.switch = switch  # --shmem-enabled: the curve runs under each value in turn
         self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
         self.dir = Path(tempfile.mkdtemp(prefix="overmind-bench-curve-"))
-        front = Path(sys.executable).with_name("overmind")
-        self.front = [str(front), "run"] if front.exists() else [sys.executable, "-m", "overmind", "run"]
+        self.front = front_end()
         self.counter = 0
         # (script, page cache, shmem_enabled) -> {"plain": [run], mode: {run: [run]}, "status", "reason"}
         self.results: dict = {}
-
-    def files(self, script: Script) -> list[Path]:
-        return sorted({f for name in script.models for f in model_files(self.paths[name])})
 
     def _drop(self, script: Script, cache_state: str) -> None:
         if cache_state == "cold":
             if self.plan.curve_drop == "drop_caches":
                 drop_all_caches()
             else:
-                drop_page_cache(self.files(script))
+                drop_page_cache(script_files(script, self.paths))
 
     def once(self, script: Script, mode: str, cache_state: str, label: str,
              server: Optional[BenchServer]) -> dict:
@@ -97,16 +80,11 @@ class WarmupCurve:
         self.counter += 1
         log = self.log_dir / f"curve-{self.counter:03d}-{label}.log"
         log.write_text(f"$ {' '.join(argv)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
-        marks = {}
-        for line in proc.stdout.splitlines():
-            at = line.find(MARK)
-            if at >= 0:
-                what, t, _pid, _ppid, *more = line[at + len(MARK):].split()
-                marks[what] = (float(t) - start, more)
+        marks = read_marks(proc.stdout, start)
         used = marks.get("used")
         run = {"wall": wall, "ready": marks["ready"][0] if "ready" in marks else None,
                "used": used[0] if used else None,
-               "sum": int(used[1][1]) if used and len(used[1]) > 1 else None,
+               "sum": int(used[3][1]) if used and len(used[3]) > 1 else None,
                "hits": after.get("hits", 0) - before.get("hits", 0),
                "misses": after.get("misses", 0) - before.get("misses", 0),
                "forked": after.get("runs", 0) - before.get("runs", 0) == 1,

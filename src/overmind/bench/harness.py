@@ -237,6 +237,18 @@ class BenchServer:
 # -- the page cache ---------------------------------------------------------------------------
 
 
+def drop_all_caches() -> str:
+    """The whole machine's page cache, dentries and inodes (``overmind-bench --drop-caches``):
+    root only. Raises :class:`BenchError` where it is not permitted."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as err:
+        raise BenchError(f"--drop-caches: cannot write /proc/sys/vm/drop_caches ({err}); it needs root") from None
+    return "drop_caches"
+
+
 def drop_page_cache(files: Iterable[Path]) -> str:
     """Evict ``files`` from the page cache; returns the method used.
 

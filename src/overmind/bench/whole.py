@@ -68,7 +68,8 @@ from typing import Optional
 from overmind.bench.harness import BenchServer, base_env, drop_page_cache
 from overmind.bench.models import model_files
 
-__all__ = ["SCRIPTS", "MODES", "CONTEXT_VAR", "Script", "WholeProcess", "script_source"]
+__all__ = ["SCRIPTS", "MODES", "CONTEXT_VAR", "Script", "WholeProcess", "front_end", "read_marks", "script_files",
+           "script_source"]
 
 MODES = ("plain", "patched", "run", "first_run")
 MARK = "@overmind-bench-whole"
@@ -174,6 +175,30 @@ def script_source(name: str, paths: dict) -> str:
     return _PRELUDE.format(mark=MARK) + "\n" + _BODIES[name].format(dtype_keyword=_dtype_keyword(), **fields)
 
 
+def front_end() -> list[str]:
+    """``overmind run`` as this interpreter's venv has it."""
+    front = Path(sys.executable).with_name("overmind")
+    return [str(front), "run"] if front.exists() else [sys.executable, "-m", "overmind.run"]
+
+
+def script_files(script: Script, paths: dict) -> list[Path]:
+    """The model files ``script`` reads (``paths``: model name -> path)."""
+    return sorted({f for name in script.models for f in model_files(paths[name])})
+
+
+def read_marks(stdout: str, start: float) -> dict:
+    """The script's markers: what -> (seconds since ``start``, pid, parent pid, [more fields])."""
+    marks = {}
+    for line in stdout.splitlines():
+        at = line.find(MARK)
+        try:
+            what, t, pid, ppid, *more = line[at + len(MARK):].split() if at >= 0 else ()
+            marks[what] = (float(t) - start, int(pid), int(ppid), more)
+        except ValueError:  # not a line of ours (or cut short): the caller's checks say so
+            continue
+    return marks
+
+
 def _summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
@@ -203,8 +228,7 @@ class WholeProcess:
         self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
         self.dir = Path(tempfile.mkdtemp(prefix="overmind-bench-scripts-", dir=cwd))
         self.python = sys.executable
-        front = Path(sys.executable).with_name("overmind")
-        self.front = [str(front), "run"] if front.exists() else [sys.executable, "-m", "overmind.run"]
+        self.front = front_end()
         self.results: dict = {}
         self.counter = 0
         self._last: dict = {}
@@ -225,7 +249,7 @@ class WholeProcess:
         return env
 
     def files(self, script: Script) -> list[Path]:
-        return sorted({f for name in script.models for f in model_files(self.paths[name])})
+        return script_files(script, self.paths)
 
     def once(self, script: Script, mode: str, label: str, env: Optional[dict] = None,
              argv: Optional[list] = None) -> dict:
@@ -248,14 +272,7 @@ class WholeProcess:
         self.counter += 1
         log = self.log_dir / f"whole-{self.counter:03d}-{label}.log"
         log.write_text(f"$ {' '.join(argv)}\n--- stdout\n{out}\n--- stderr\n{err}")
-        marks = {}
-        for line in out.splitlines():
-            at = line.find(MARK)
-            try:
-                what, t, pid, ppid, *more = line[at + len(MARK):].split() if at >= 0 else ()
-                marks[what] = (float(t) - start, int(pid), int(ppid), more)
-            except ValueError:  # not a line of ours (or cut short): the checks below say so
-                continue
+        marks = read_marks(out, start)
         run = {"status": proc.returncode, "ready": marks["ready"][0] if "ready" in marks else None,
                "used": marks["used"][0] if "used" in marks else None, "wall": wall,
                "forked": after["runs"] - before["runs"] == 1,
