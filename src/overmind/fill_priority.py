@@ -84,6 +84,10 @@ class Fill:
         self.forked_at = 0.0
         self.idle = False  # under SCHED_IDLE now: a waiter lifts it
         self.yielded_at = 0.0
+        # Its loader's progress reports (Note [Joining a fill] in overmind.server).
+        self.packing_since = 0.0  # when the pack began (its first report); 0: not yet
+        self.written = 0
+        self.expected = 0
 
 
 FILL_NICE = 10  # Note [Cold fills yield to their caller]: where SCHED_IDLE could not be lifted
@@ -223,11 +227,25 @@ class FillPriorities:
         if fill is not None:
             fill.caller_done.set()
 
-    def running_for(self, key: str) -> float | None:
-        """Seconds the loader filling ``key`` has run; None when there is none yet."""
+    def progress(self, fill: Fill, written: int, expected: int) -> None:
+        """Its loader's report (``FillProgress``): ``written`` of ``expected`` bytes in place."""
+        with self.fill_lock:
+            if not fill.packing_since:
+                fill.packing_since = time.monotonic()
+            fill.written, fill.expected = written, expected
+
+    def remaining(self, key: str) -> tuple[float, int, int] | None:
+        """(seconds the fill of ``key`` should still take at its pace so far, bytes written,
+        bytes expected); None while that cannot be told: no fill, or its loader still runs
+        the original, or it reported nothing to go by."""
         with self.fill_lock:
             fill = self.fills.get(key)
-            return None if fill is None or not fill.pid else time.monotonic() - fill.forked_at
+            if fill is None or not fill.packing_since or not fill.written:
+                return None
+            if fill.written >= fill.expected:  # all in place: the answer is on its way
+                return 0.0, fill.written, fill.expected
+            rate = fill.written / max(time.monotonic() - fill.packing_since, 1e-3)
+            return (fill.expected - fill.written) / rate, fill.written, fill.expected
 
     def _lift(self, fill: Fill, why: str) -> None:
         """Back to SCHED_OTHER; with fill_lock held."""

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -29,6 +30,86 @@ logger = logging.getLogger(__name__)
 __all__ = ["run_job", "FileObserver"]
 
 MAX_CONTENTS = 8000  # content records a result carries (~70 bytes each)
+# A fill this large tells the server how far its pack is, every PROGRESS_INTERVAL seconds.
+PROGRESS_MIN_BYTES = 32 << 20
+PROGRESS_INTERVAL = 0.1
+_WALK_LIMIT = 100_000  # objects looked at to count a result's bytes
+
+
+def _storage_bytes(obj: Any, known: set) -> int:
+    """Bytes of the distinct storages reachable through the usual containers of a load's
+    result (modules, pipelines' components, dicts, lists, tuples), not counting those in
+    ``known`` (data pointers); an estimate for progress reports, bounded in effort."""
+    torch = sys.modules["torch"]
+    total, stack, visited = 0, [obj], 0
+    while stack and visited < _WALK_LIMIT:
+        item = stack.pop()
+        visited += 1
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if item.device.type != "meta" and storage.data_ptr() not in known:
+                known.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(item, torch.nn.Module):
+            stack.extend(item.parameters())
+            stack.extend(item.buffers())
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(getattr(item, "components", None), dict):  # a diffusers pipeline
+            stack.extend(item.components.values())
+    return total
+
+
+class _Progress:
+    """The pack's progress, sent as FillProgress on the job socket by a thread of its own.
+
+    Note [Progress of a pack]
+    A caller that finds its key filling decides between waiting and loading plainly on how
+    long the fill should still take (Note [Joining a fill] in overmind.server). The loader
+    knows: before packing it counts the bytes of the result's storages (those of the
+    arguments handed back unchanged left out: they are not packed again), then reports the
+    bytes in place every PROGRESS_INTERVAL seconds, counted by the fill threads as each
+    storage lands (or is found stored already). Fills under PROGRESS_MIN_BYTES say nothing:
+    they end sooner than the decision would matter. Reports stop before the answer, which
+    follows them on the same socket.
+    """
+
+    def __init__(self, sock: socket.socket, key: str, expected: int) -> None:
+        self.sock, self.key, self.expected = sock, key, expected
+        self.written = 0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def add(self, nbytes: int) -> None:  # from the fill threads too
+        with self.lock:
+            self.written += nbytes
+
+    def _send(self) -> None:
+        with self.lock:
+            written = self.written
+        P.send_message(self.sock, P.FillProgress(self.key, written, self.expected))
+
+    def _report(self) -> None:
+        try:
+            while not self.stop.wait(PROGRESS_INTERVAL):
+                self._send()
+        except OSError:  # the server went away; the answer will fail the same way
+            pass
+
+    def __enter__(self) -> "_Progress":
+        if self.expected >= PROGRESS_MIN_BYTES:
+            self._send()  # the pack starts now: the server times its rate from here
+            self.thread = threading.Thread(target=self._report, name="overmind-progress", daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()  # before the answer goes out on the same socket
 
 
 def _state_of(obj: Any) -> Any:
@@ -160,7 +241,12 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         # Arguments handed back unchanged travel as references: the client puts its own object there.
         references = {id(obj): key for key, obj in refs.items() if _state_of(obj) == before[key]}
         store = SegmentContents(connect)
-        packed = pack(result, name=job.key[:12], store=store, references=references)
+        handed_back: set = set()  # their storages are not packed again: the client supplies them
+        for obj in refs.values():
+            if id(obj) in references:
+                _storage_bytes(obj, handed_back)
+        with _Progress(job_sock, job.key, _storage_bytes(result, handed_back)) as progress:
+            packed = pack(result, name=job.key[:12], store=store, references=references, progress=progress.add)
         slots = [i for i, seg in enumerate(packed.segments) if seg is not None]
         fds = [packed.segments[i].fd for i in slots] + store.fds
         sizes = [packed.segments[i].size for i in slots] + store.sizes

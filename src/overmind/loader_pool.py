@@ -358,9 +358,17 @@ class LoaderPool:
         try:
             deadline = time.monotonic() + self.config.loader_timeout
             try:
-                self.fills.wait_answer(job, fill, deadline)
-                job.settimeout(max(deadline - time.monotonic(), 0.001))
-                message, skeleton, fds = P.recv_message(job)
+                while True:
+                    self.fills.wait_answer(job, fill, deadline)
+                    job.settimeout(max(deadline - time.monotonic(), 0.001))
+                    message, skeleton, fds = P.recv_message(job)
+                    if not isinstance(message, P.FillProgress):
+                        break
+                    if fds or message.key != key or not 0 <= message.written <= 1 << 50 or \
+                            not 0 <= message.expected <= 1 << 50:
+                        P.close_fds(fds)
+                        raise P.ProtocolError(f"malformed progress report {message!r}")
+                    self.fills.progress(fill, message.written, message.expected)
             except socket.timeout:
                 self._kill(pid)
                 raise LoadFailure(P.ErrorCode.LOADER_TIMEOUT,

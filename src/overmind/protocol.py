@@ -39,6 +39,7 @@ __all__ = [
     "Hello", "Welcome", "Error", "Load", "Entry", "LoadMeta", "Pending", "GetFds", "Fds", "GetContents", "Contents", "Status", "StatusReply", "ListEntries",
     "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "JobResult", "JobFailed", "Job", "JobStarted", "LoaderReady",
     "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire", "PlainLoaded", "Prefetch", "PrefetchReply",
+    "FillProgress",
 ]
 
 MAGIC = b"OVMD"
@@ -470,6 +471,17 @@ class LoadMeta(Message):
 
 
 @message
+class FillProgress(Message):
+    """A loader packing its result says how far it is, now and then, before its answer
+    (Note [Joining a fill] in overmind.server): bytes in place and the bytes it expects."""
+
+    TYPE: ClassVar[int] = 48
+    key: str
+    written: int
+    expected: int
+
+
+@message
 class JobFailed(Message):
     TYPE: ClassVar[int] = 44
     key: str
@@ -483,7 +495,7 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, GetContents, Contents, Status, StatusReply,
                 ListEntries, EntryList, Evict, Evicted, Shutdown, Ok, Prepare, Run, RunRefused, RunStarted, RunExited,
-                LoaderReady, Job, JobStarted, JobResult, JobFailed, Warm, Fork, Retire, PlainLoaded, Prefetch,
+                LoaderReady, Job, JobStarted, JobResult, FillProgress, JobFailed, Warm, Fork, Retire, PlainLoaded, Prefetch,
                 PrefetchReply)
 }
 

@@ -223,8 +223,9 @@ def _dtype_from_name(name: str) -> torch.dtype:
 class _SegmentWriter:
     """One growing segment and the thread that fills it (Note [Parallel fill])."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, progress: Optional[Callable[[int], None]] = None) -> None:
         self.name = name
+        self.progress = progress  # told the bytes of each storage once they are in the segment
         self.segment: Optional[Segment] = None
         self.end = 0
         self.gaps: list[list[int]] = []  # [start, end) left before huge-page-aligned storages
@@ -273,6 +274,8 @@ class _SegmentWriter:
     def _write(self, offset: int, address: int, nbytes: int, keep: object) -> None:
         # See Notes [Filling by pwrite] and [Huge pages for segments] in overmind.memfd.
         self.segment.write_at(offset, buffer_at(address, nbytes))
+        if self.progress is not None:
+            self.progress(nbytes)
 
     def wait(self) -> None:
         try:
@@ -305,12 +308,13 @@ class _Tables:
     """Pickling state: storage placement and the object table."""
 
     def __init__(self, name: str, store: Optional[ContentStore], writers: int,
-                 references: Optional[dict[int, str]] = None) -> None:
+                 references: Optional[dict[int, str]] = None, progress: Optional[Callable[[int], None]] = None) -> None:
         self.store = store
+        self.progress = progress
         self.contents: list[tuple[str, int, int, int]] = []
         self.deduplicated = 0
         self.references = references or {}
-        self.writers = [_SegmentWriter(f"{name}.{i}") for i in range(max(1, writers))]
+        self.writers = [_SegmentWriter(f"{name}.{i}", progress) for i in range(max(1, writers))]
         self.storages: list[StorageRef] = []
         self.storage_index: dict[tuple[int, int, str], int] = {}
         self.objects: list[tuple] = []
@@ -347,6 +351,8 @@ class _Tables:
         if found is not None:
             where = (len(self.writers) + found[0], found[1])
             self.deduplicated += nbytes
+            if self.progress is not None:
+                self.progress(nbytes)
         else:
             where = self._write(source, nbytes)
         self.contents.append((digest.hex(), nbytes, where[0], where[1]))
@@ -454,7 +460,7 @@ def default_writers() -> int:
 
 
 def pack(obj, name: str = "overmind", store: Optional[ContentStore] = None, writers: Optional[int] = None,
-         references: Optional[dict[int, str]] = None) -> Packed:
+         references: Optional[dict[int, str]] = None, progress: Optional[Callable[[int], None]] = None) -> Packed:
     """Pickle ``obj`` with its storages copied into new sealed segments.
 
     Stdlib pickle first; if it cannot handle an object (local functions, lambdas),
@@ -462,8 +468,10 @@ def pack(obj, name: str = "overmind", store: Optional[ContentStore] = None, writ
     ``references`` maps ``id(object)`` to a key for objects the unpickling side will
     supply itself (``unpack(..., references={key: object})``). With a ``store``, large
     storages whose bytes it already holds are not copied: Note [Stored once by content].
+    ``progress`` is called with the bytes of each storage once they are in place (from the
+    fill threads too), for a loader's progress reports.
     """
-    tables = _Tables(name, store, writers or default_writers(), references)
+    tables = _Tables(name, store, writers or default_writers(), references, progress)
     payload = io.BytesIO()
     used = "pickle"
     try:

@@ -84,13 +84,22 @@ MAX_PLAIN_SECONDS = 1024  # keys whose plain load time we remember
 # Note [Joining a fill]
 # A caller that finds its key filling (run 2 of a script, started while run 1's fill still
 # runs) either loads plainly or waits for the fill, lending it normal priority. It waits when
-# the fill should end sooner than a plain load would: the first caller reported its plain
-# load's seconds (PlainLoaded), and a fill costs about FILL_COST of them (the loader runs the
-# same original, then copies the result into segments), so one that has run for
-# (FILL_COST - 1) plain loads is expected to end within one more. The wait is bounded by that
-# one plain load: past it the caller loads plainly after all, so a wrong guess costs at most
-# one extra plain load's time, and a fill nobody joins still ends within its own bounds.
-FILL_COST = 2.0
+# the fill should end sooner than a plain load would. The first caller reported its plain
+# load's seconds (PlainLoaded); the loader, once it packs, reports the bytes in place and the
+# bytes it expects every 0.1 s (FillProgress, Note [Progress of a pack] in overmind.loader),
+# so the fill's remaining seconds are the bytes left at its rate since the pack began (a rate
+# at idle priority: lifted, it goes faster). A fill still running the original, or one that
+# reports nothing (small, or a result whose bytes cannot be counted), is not joined: nothing
+# says it is close. The wait is bounded by the plain load's seconds: past them the caller loads
+# plainly after all, so a wrong guess costs at most one extra plain load's time, and a fill
+# nobody joins still ends within its own bounds.
+#
+# What this cannot fix, measured on this machine (benchmarks/fresh_memory.py): a fill writes
+# its result into memory the kernel must hand out fresh, and on a guest that reports free
+# memory back to its host (virtio-balloon free page reporting) fresh memory past the last
+# 1.5-3.5 GB freed is filled at 0.4 GB/s instead of 2.4 GB/s, so the seed's 1.97 GB pipeline
+# takes 3-5 s to fill, longer than its 0.5 s plain load, and a run that comes sooner loads it
+# plainly.
 
 
 class AlreadyRunning(ConfigError):
@@ -452,16 +461,22 @@ class Server:
             raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"modules must be at most {MAX_MODULES} names")
         return modules
 
-    def _joins(self, request: P.Load) -> float:
+    def _joins(self, request: P.Load, pid: int) -> float:
         """Note [Joining a fill]: how long a caller that found ``request.key`` filling should
         wait for it rather than load plainly; 0: not at all."""
         plain = self.plain_seconds.get(request.key)
         if request.wait or request.lookup_only or plain is None:
             return 0.0
-        elapsed = self.loaders.fills.running_for(request.key)
-        if elapsed is None or elapsed < (FILL_COST - 1) * plain:
-            return 0.0  # not started yet, or it would likely end after a plain load
-        return plain
+        progress = self.loaders.fills.remaining(request.key)
+        if progress is None:
+            logger.info("pid %d loads %s plainly: its fill has not begun to pack", pid, request.key[:16])
+            return 0.0
+        left, written, expected = progress
+        joins = left <= plain
+        logger.info("pid %d %s the fill of %s: %d of %d MB in place, %.2fs left against a plain load of %.2fs",
+                    pid, "joins" if joins else "loads plainly beside", request.key[:16], written >> 20, expected >> 20,
+                    left, plain)
+        return plain if joins else 0.0
 
     def _load(self, conn: socket.socket, request: P.Load, blob: bytes, pid: int) -> None:
         """Hit, or miss: see Note [Cold loads run behind the caller]."""
@@ -491,7 +506,7 @@ class Server:
             fill = self.loaders.fills.begin(request.key, background=not request.wait, caller=pid)
             threading.Thread(target=self._fly, args=(flight, request, blob, pid, fill), daemon=True,
                              name="overmind-load").start()
-        join = 0.0 if admission.started else self._joins(request)
+        join = 0.0 if admission.started else self._joins(request, pid)
         if not (request.wait or request.lookup_only or join):
             return P.send_message(conn, P.Pending(request.key, True, ""))
         # Answer at once that we are alive and loading; the entry follows (Pending.waiting).

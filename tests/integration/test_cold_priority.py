@@ -25,8 +25,28 @@ import os, threading, time
 import torch
 
 
+class Gate:
+    """Pickled by the loader's pack: waits there for the test's ``go``, the bytes before it in place."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __reduce__(self):
+        open(os.path.join(self.folder, "gate-waits"), "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(self.folder, "go")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return str, ("gate",)
+
+
 def load(path):
     folder = os.path.dirname(path)
+    if os.environ.get("OVERMIND_DISABLE") == "1" and os.path.exists(os.path.join(folder, "pack")):
+        # the loader: its pack stops at the gate with the MiB before it in place, then the MiB after it
+        before, after = map(int, open(os.path.join(folder, "pack")).read().split())
+        open(os.path.join(folder, f"loader-{os.getpid()}"), "w").close()
+        result = {"before": torch.ones(before << 18), "gate": Gate(folder), "after": torch.ones(after << 18)}
+        return {**result, **torch.load(path, weights_only=True)}
     if os.environ.get("OVERMIND_DISABLE") == "1":  # the loader: a second thread, then wait for the test
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
         open(os.path.join(folder, f"loader-{os.getpid()}"), "w").close()
@@ -197,18 +217,20 @@ def test_a_fill_starts_once_its_callers_own_load_returned_even_while_the_caller_
     assert _go(server, slowlib)["entries"] == 1
 
 
-def _fill_running_for(server: ServerProcess, folder, seconds: float) -> int:
-    """The loader's pid once the fill has run ``seconds`` (Note [Joining a fill] weighs that)."""
-    pid = _loader_pid(server, folder)
-    started = (folder / f"loader-{pid}").stat().st_mtime
-    while time.time() - started < seconds:
-        time.sleep(0.05)
-    return pid
+def _packing(server: ServerProcess, folder, before_mib: int, after_mib: int) -> None:
+    """A fill whose pack stops with ``before_mib`` in place and ``after_mib`` to go, once the
+    server heard so (Note [Progress of a pack] in overmind.loader); the caller loaded plainly
+    in 1 s."""
+    (folder / "pack").write_text(f"{before_mib} {after_mib}")
+    _call(server, folder, SLOW_CALLER="1.0")
+    deadline = time.monotonic() + WAIT
+    while not (folder / "gate-waits").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.5)  # a report or more after the bytes before the gate landed
 
 
-def test_a_caller_that_finds_its_key_filling_joins_the_fill_when_it_should_end_sooner(server, slowlib):
-    _call(server, slowlib, SLOW_CALLER="1.5")  # plain load: 1.5 s, told to the server
-    _fill_running_for(server, slowlib, 1.6)  # expected to end within one more plain load
+def test_a_caller_joins_a_fill_whose_pack_should_end_before_a_plain_load_would(server, slowlib):
+    _packing(server, slowlib, 64, 0)  # all but the small weights in place: it should end at once
     second = subprocess.Popen(_app(slowlib), env=_env(server, slowlib, SLOW_CALLER="1.5"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -223,12 +245,30 @@ def test_a_caller_that_finds_its_key_filling_joins_the_fill_when_it_should_end_s
     assert out.strip().splitlines()[-1] == '{"w": [0.0, 1.0, 2.0, 3.0]}'
     status = server.wait_idle()
     assert (status["misses"], status["hits"], status["joined"]) == (1, 1, 1), server.log()[-3000:]
-    assert "joined the fill" in server.log() and ": served" in server.log()
+    assert "joins the fill" in server.log() and ": served" in server.log()
+
+
+def test_a_caller_loads_plainly_beside_a_fill_whose_pack_has_far_to_go(server, slowlib):
+    _packing(server, slowlib, 1, 64)  # 1 MiB in place after a second or more: 64 more would take a minute
+    started = time.monotonic()
+    second = _call(server, slowlib, SLOW_CALLER="1.0")
+    assert second == {"w": [0.0, 1.0, 2.0, 3.0]} and time.monotonic() - started < WAIT / 2
+    log = server.log()
+    assert "loads plainly beside the fill" in log and "1 of 65 MB in place" in log, log[-3000:]
+    assert server.status()["joined"] == 0
+    assert _go(server, slowlib)["entries"] == 1
+
+
+def test_a_fill_still_running_the_original_is_not_joined(server, slowlib):
+    _call(server, slowlib, SLOW_CALLER="1.0")
+    _loader_pid(server, slowlib)  # its original waits for go: no progress to go by
+    assert _call(server, slowlib, SLOW_CALLER="1.0") == {"w": [0.0, 1.0, 2.0, 3.0]}
+    assert "its fill has not begun to pack" in server.log() and server.status()["joined"] == 0
+    assert _go(server, slowlib)["entries"] == 1
 
 
 def test_a_joined_fill_that_runs_late_is_left_after_one_plain_load_time(server, slowlib):
-    _call(server, slowlib, SLOW_CALLER="1.0")
-    _fill_running_for(server, slowlib, 1.1)
+    _packing(server, slowlib, 64, 0)
     second = _call(server, slowlib, SLOW_CALLER="1.0")  # the fill never ends meanwhile (no go)
     assert second == {"w": [0.0, 1.0, 2.0, 3.0]}
     assert "gave up" in server.log() and server.status()["joined"] == 1

@@ -69,7 +69,7 @@ def test_message_type_codes_never_change():
         26: "Shutdown", 27: "Ok", 28: "Prepare",
         30: "Run", 31: "RunRefused", 32: "RunStarted", 33: "RunExited",
         40: "LoaderReady", 41: "Job", 42: "JobStarted", 43: "JobResult", 44: "JobFailed", 45: "Warm", 46: "Fork",
-        47: "Retire",
+        47: "Retire", 48: "FillProgress",
     }
     assert {cls.__name__ for cls in P.MESSAGE_TYPES.values() if cls.WITH_BLOB} == {"Load", "Entry", "Contents", "EntryList", "Job",
                                                                                           "JobResult"}
@@ -129,6 +129,7 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.JobStarted(key="k", pid=11, modules=3, learned=["json"]), b""),
     (P.JobResult(key="k", sizes=[4096], slots=[0], nslots=2, nbytes=4096, refs=[], meta={"pickler": "pickle"}),
      b"skel"),
+    (P.FillProgress(key="k", written=1 << 30, expected=2 << 30), b""),
     (P.JobFailed(key="k", code=P.ErrorCode.LOADER_FAILED, message="OSError: no", traceback="tb"), b""),
     (P.JobFailed(key="run", code=P.ErrorCode.NOT_FORKABLE, message="2 threads", refused=["threader"]), b""),
 ]
