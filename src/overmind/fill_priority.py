@@ -88,6 +88,7 @@ class Fill:
         self.packing_since = 0.0  # when the pack began (its first report); 0: not yet
         self.written = 0
         self.expected = 0
+        self.original_seconds = 0.0  # what the loader's call of the original took
 
 
 FILL_NICE = 10  # Note [Cold fills yield to their caller]: where SCHED_IDLE could not be lifted
@@ -227,25 +228,25 @@ class FillPriorities:
         if fill is not None:
             fill.caller_done.set()
 
-    def progress(self, fill: Fill, written: int, expected: int) -> None:
+    def progress(self, fill: Fill, written: int, expected: int, original_seconds: float) -> None:
         """Its loader's report (``FillProgress``): ``written`` of ``expected`` bytes in place."""
         with self.fill_lock:
             if not fill.packing_since:
                 fill.packing_since = time.monotonic()
-            fill.written, fill.expected = written, expected
+            fill.written, fill.expected, fill.original_seconds = written, expected, original_seconds
 
-    def remaining(self, key: str) -> tuple[float, int, int] | None:
-        """(seconds the fill of ``key`` should still take at its pace so far, bytes written,
-        bytes expected); None while that cannot be told: no fill, or its loader still runs
-        the original, or it reported nothing to go by."""
+    def remaining(self, key: str) -> tuple[float, Fill] | None:
+        """(seconds the fill of ``key`` should still take at its pace so far, the fill); None
+        while that cannot be told: no fill, or its loader still runs the original, or it
+        reported nothing to go by."""
         with self.fill_lock:
             fill = self.fills.get(key)
             if fill is None or not fill.packing_since or not fill.written:
                 return None
             if fill.written >= fill.expected:  # all in place: the answer is on its way
-                return 0.0, fill.written, fill.expected
+                return 0.0, fill
             rate = fill.written / max(time.monotonic() - fill.packing_since, 1e-3)
-            return (fill.expected - fill.written) / rate, fill.written, fill.expected
+            return (fill.expected - fill.written) / rate, fill
 
     def _lift(self, fill: Fill, why: str) -> None:
         """Back to SCHED_OTHER; with fill_lock held."""

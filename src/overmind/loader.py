@@ -71,13 +71,14 @@ class _Progress:
     knows: before packing it counts the bytes of the result's storages (those of the
     arguments handed back unchanged left out: they are not packed again), then reports the
     bytes in place every PROGRESS_INTERVAL seconds, counted by the fill threads as each
-    storage lands (or is found stored already). Fills under PROGRESS_MIN_BYTES say nothing:
+    storage lands (or is found stored already), and the seconds its call of the original took:
+    what a plain load costs in a process that imported the libraries already. Fills under PROGRESS_MIN_BYTES say nothing:
     they end sooner than the decision would matter. Reports stop before the answer, which
     follows them on the same socket.
     """
 
-    def __init__(self, sock: socket.socket, key: str, expected: int) -> None:
-        self.sock, self.key, self.expected = sock, key, expected
+    def __init__(self, sock: socket.socket, key: str, expected: int, original_seconds: float) -> None:
+        self.sock, self.key, self.expected, self.original_seconds = sock, key, expected, original_seconds
         self.written = 0
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -90,7 +91,7 @@ class _Progress:
     def _send(self) -> None:
         with self.lock:
             written = self.written
-        P.send_message(self.sock, P.FillProgress(self.key, written, self.expected))
+        P.send_message(self.sock, P.FillProgress(self.key, written, self.expected, self.original_seconds))
 
     def _report(self) -> None:
         try:
@@ -221,11 +222,13 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         maps_before = observer.mapped()
         observer.active = True
         code = P.ErrorCode.LOADER_FAILED
+        original_started = time.monotonic()
         try:
             with grad_mode, Recorder() as recorder:
                 result = call.fn(*call.args, **call.kwargs)
         finally:
             observer.active = False
+        original_seconds = time.monotonic() - original_started
         code = P.ErrorCode.CANNOT_CACHE
         # A generator the load first imported counts only if drawn from: Note [Loads that draw random numbers].
         drew = callstate.drawn(rng_start, callstate.rng_state())
@@ -245,7 +248,7 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         for obj in refs.values():
             if id(obj) in references:
                 _storage_bytes(obj, handed_back)
-        with _Progress(job_sock, job.key, _storage_bytes(result, handed_back)) as progress:
+        with _Progress(job_sock, job.key, _storage_bytes(result, handed_back), original_seconds) as progress:
             packed = pack(result, name=job.key[:12], store=store, references=references, progress=progress.add)
         slots = [i for i, seg in enumerate(packed.segments) if seg is not None]
         fds = [packed.segments[i].fd for i in slots] + store.fds

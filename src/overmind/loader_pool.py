@@ -365,10 +365,10 @@ class LoaderPool:
                     if not isinstance(message, P.FillProgress):
                         break
                     if fds or message.key != key or not 0 <= message.written <= 1 << 50 or \
-                            not 0 <= message.expected <= 1 << 50:
+                            not 0 <= message.expected <= 1 << 50 or not 0 <= message.original_seconds < 1e6:
                         P.close_fds(fds)
                         raise P.ProtocolError(f"malformed progress report {message!r}")
-                    self.fills.progress(fill, message.written, message.expected)
+                    self.fills.progress(fill, message.written, message.expected, message.original_seconds)
             except socket.timeout:
                 self._kill(pid)
                 raise LoadFailure(P.ErrorCode.LOADER_TIMEOUT,

@@ -69,6 +69,9 @@ class ErrorCode:
     # The result's weights are not in it (disk offload): callers load plainly, silently, and the
     # server remembers the key. Note [Results that cannot be rebuilt] in overmind.quirks.
     NOT_REBUILDABLE = 14
+    # A run's environment differs from the one a warm interpreter's imports read (Note [Settings an
+    # import read] in overmind.import_env): the run goes plain; the interpreter stays.
+    ENV_DIFFERS = 15
 
     @classmethod
     def name(cls, code: int) -> str:
@@ -399,6 +402,7 @@ class LoaderReady(Message):
     pid: int
     imported: list
     refused: list = []  # modules that started a thread when imported: never to be pre-imported again
+    environ: dict = {}  # names and prefixes its imports read (Note [Settings an import read] in overmind.import_env)
 
 
 @message
@@ -420,6 +424,7 @@ class JobStarted(Message):
     pid: int
     modules: int = 0  # installed modules the interpreter holds now
     learned: list = []  # installed modules runs imported that it did not hold (for its successor)
+    environ: dict = {}  # names and prefixes its imports read since it last said (overmind.import_env)
 
 
 @message
@@ -479,6 +484,7 @@ class FillProgress(Message):
     key: str
     written: int
     expected: int
+    original_seconds: float = 0.0  # its call of the original loader
 
 
 @message
@@ -489,6 +495,7 @@ class JobFailed(Message):
     message: str
     traceback: str = ""
     refused: list = []  # a warm interpreter's modules that started a thread, for its successor
+    environ: dict = {}  # names and prefixes its imports read since it last said (overmind.import_env)
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {

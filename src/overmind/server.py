@@ -84,11 +84,16 @@ MAX_PLAIN_SECONDS = 1024  # keys whose plain load time we remember
 # Note [Joining a fill]
 # A caller that finds its key filling (run 2 of a script, started while run 1's fill still
 # runs) either loads plainly or waits for the fill, lending it normal priority. It waits when
-# the fill should end sooner than a plain load would. The first caller reported its plain
-# load's seconds (PlainLoaded); the loader, once it packs, reports the bytes in place and the
-# bytes it expects every 0.1 s (FillProgress, Note [Progress of a pack] in overmind.loader),
-# so the fill's remaining seconds are the bytes left at its rate since the pack began (a rate
-# at idle priority: lifted, it goes faster). A fill still running the original, or one that
+# the fill should end sooner than a plain load would. A plain load's seconds: what the last
+# caller that loaded plainly reported (PlainLoaded), or what the loader's own call of the
+# original took if less. The first caller's figure includes the imports its load did
+# (transformers imports the model's module inside from_pretrained: 1.55 s for the LM's load
+# in a fresh process, 0.1-0.3 s in a loader or an `overmind run` child, which imported it
+# already); a hit pays those imports too, when it unpickles, so they are no reason to wait.
+# The loader, once it packs, reports the bytes in place and the bytes it expects every 0.1 s
+# (FillProgress, Note [Progress of a pack] in overmind.loader), so the fill's remaining
+# seconds are the bytes left at its rate since the pack began (a rate at idle priority:
+# lifted, it goes faster). A fill still running the original, or one that
 # reports nothing (small, or a result whose bytes cannot be counted), is not joined: nothing
 # says it is close. The wait is bounded by the plain load's seconds: past them the caller loads
 # plainly after all, so a wrong guess costs at most one extra plain load's time, and a fill
@@ -471,11 +476,13 @@ class Server:
         if progress is None:
             logger.info("pid %d loads %s plainly: its fill has not begun to pack", pid, request.key[:16])
             return 0.0
-        left, written, expected = progress
+        left, fill = progress
+        if fill.original_seconds:  # the imports the first caller's load did are done here too
+            plain = min(plain, fill.original_seconds)
         joins = left <= plain
         logger.info("pid %d %s the fill of %s: %d of %d MB in place, %.2fs left against a plain load of %.2fs",
-                    pid, "joins" if joins else "loads plainly beside", request.key[:16], written >> 20, expected >> 20,
-                    left, plain)
+                    pid, "joins" if joins else "loads plainly beside", request.key[:16], fill.written >> 20,
+                    fill.expected >> 20, left, plain)
         return plain if joins else 0.0
 
     def _load(self, conn: socket.socket, request: P.Load, blob: bytes, pid: int) -> None:

@@ -42,9 +42,12 @@ class Gate:
 def load(path):
     folder = os.path.dirname(path)
     if os.environ.get("OVERMIND_DISABLE") == "1" and os.path.exists(os.path.join(folder, "pack")):
-        # the loader: its pack stops at the gate with the MiB before it in place, then the MiB after it
-        before, after = map(int, open(os.path.join(folder, "pack")).read().split())
+        # the loader: its original takes that many seconds, then its pack stops at the gate with
+        # the MiB before it in place, then writes the MiB after it
+        before, after, seconds = open(os.path.join(folder, "pack")).read().split()
+        before, after = int(before), int(after)
         open(os.path.join(folder, f"loader-{os.getpid()}"), "w").close()
+        time.sleep(float(seconds))
         result = {"before": torch.ones(before << 18), "gate": Gate(folder), "after": torch.ones(after << 18)}
         return {**result, **torch.load(path, weights_only=True)}
     if os.environ.get("OVERMIND_DISABLE") == "1":  # the loader: a second thread, then wait for the test
@@ -217,11 +220,11 @@ def test_a_fill_starts_once_its_callers_own_load_returned_even_while_the_caller_
     assert _go(server, slowlib)["entries"] == 1
 
 
-def _packing(server: ServerProcess, folder, before_mib: int, after_mib: int) -> None:
+def _packing(server: ServerProcess, folder, before_mib: int, after_mib: int, original: float = 1.0) -> None:
     """A fill whose pack stops with ``before_mib`` in place and ``after_mib`` to go, once the
     server heard so (Note [Progress of a pack] in overmind.loader); the caller loaded plainly
-    in 1 s."""
-    (folder / "pack").write_text(f"{before_mib} {after_mib}")
+    in 1 s, the loader's original took ``original`` seconds."""
+    (folder / "pack").write_text(f"{before_mib} {after_mib} {original}")
     _call(server, folder, SLOW_CALLER="1.0")
     deadline = time.monotonic() + WAIT
     while not (folder / "gate-waits").exists() and time.monotonic() < deadline:
@@ -255,6 +258,18 @@ def test_a_caller_loads_plainly_beside_a_fill_whose_pack_has_far_to_go(server, s
     assert second == {"w": [0.0, 1.0, 2.0, 3.0]} and time.monotonic() - started < WAIT / 2
     log = server.log()
     assert "loads plainly beside the fill" in log and "1 of 65 MB in place" in log, log[-3000:]
+    assert server.status()["joined"] == 0
+    assert _go(server, slowlib)["entries"] == 1
+
+
+def test_a_plain_load_is_weighed_at_what_the_loaders_original_took_when_less(server, slowlib):
+    """The first caller's plain load took 1 s (imports inside it, say); the loader's call of
+    the same original 0.05 s. A fill with 1/16 of its bytes to go (a fraction of a second at
+    its pace) is worth waiting for against the first, not against the second."""
+    _packing(server, slowlib, 64, 4, original=0.05)
+    assert _call(server, slowlib, SLOW_CALLER="1.0") == {"w": [0.0, 1.0, 2.0, 3.0]}
+    log = server.log()
+    assert "loads plainly beside the fill" in log and "64 of 68 MB in place" in log, log[-3000:]
     assert server.status()["joined"] == 0
     assert _go(server, slowlib)["entries"] == 1
 

@@ -129,7 +129,7 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.JobStarted(key="k", pid=11, modules=3, learned=["json"]), b""),
     (P.JobResult(key="k", sizes=[4096], slots=[0], nslots=2, nbytes=4096, refs=[], meta={"pickler": "pickle"}),
      b"skel"),
-    (P.FillProgress(key="k", written=1 << 30, expected=2 << 30), b""),
+    (P.FillProgress(key="k", written=1 << 30, expected=2 << 30, original_seconds=0.25), b""),
     (P.JobFailed(key="k", code=P.ErrorCode.LOADER_FAILED, message="OSError: no", traceback="tb"), b""),
     (P.JobFailed(key="run", code=P.ErrorCode.NOT_FORKABLE, message="2 threads", refused=["threader"]), b""),
 ]
