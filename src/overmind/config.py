@@ -78,12 +78,21 @@ ENV_NAMES = ("HOME", "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYT
 
 # Note [Environment that selects an interpreter]
 # A warm interpreter (overmind.zygote) imported its modules under its own environment, so it
-# serves only clients that agree with it on what can change an import: ENV_PREFIXES (libraries
-# read HF_HUB_OFFLINE, TORCH_*, OMP_NUM_THREADS... when imported) and ENV_NAMES (what CPython
-# reads at start: PYTHONPATH, PYTHONHASHSEED...; and the locale). Everything else (a script's
-# own settings, DISPLAY, SSH_*, terminal variables) reaches each run through its own
-# environment but does not select an interpreter: no installed library reads those at
-# import time, and keying on them would start an interpreter per terminal.
+# serves only clients that agree with it on what can change an import. Two parts:
+# - ENV_PREFIXES and ENV_NAMES, always: what is read where Python cannot see it (C getenv:
+#   TORCH_*, CUDA_*, OMP_NUM_THREADS, MKL_*), what CPython reads at start (PYTHONPATH,
+#   PYTHONHASHSEED...; the locale), and what a loader needs (HF_HOME, PATH...).
+# - The names the context's interpreters' imports actually read from os.environ, which no
+#   list could name (torch._inductor.config reads ~300 TORCHINDUCTOR_*/TORCHDYNAMO_* names and
+#   keeps them; a library may read any name): each interpreter records them while it imports
+#   and tells the server, which adds the caller's values of those names to the context
+#   (LoaderPool.with_reads), and an interpreter forks a run only when the run's values equal
+#   what its imports read. A caller with other values is served by an interpreter imported
+#   under its own, after one plain run that says why: Note [Settings an import read] in
+#   overmind.import_env.
+# Everything else (a script's own settings, DISPLAY, SSH_*, terminal variables) reaches each
+# run through its own environment but does not select an interpreter: keying on all of it
+# would start an interpreter per terminal, and no import read it.
 
 
 class ConfigError(ValueError):

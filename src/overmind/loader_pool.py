@@ -32,11 +32,12 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from overmind import protocol as P
 from overmind.config import ENV_NAMES, ENV_PREFIXES, Config, open_runtime_file
 from overmind.fill_priority import Fill, FillPriorities, can_lift_idle, every_thread, to_normal
+from overmind.import_env import MAX_NAMES, MAX_PREFIXES, reads_from_wire, select
 
 logger = logging.getLogger("overmind.server.loaders")
 
@@ -65,6 +66,14 @@ class Context:
 
     python: str
     env: tuple  # sorted (name, value) pairs
+    # The key of the context before the names its interpreters' imports read were added to env
+    # (Note [Settings an import read] in overmind.import_env); "": this is that context.
+    family: str = field(default="", compare=False)
+
+    @property
+    def lineage(self) -> str:
+        """What this context's variants share: what to pre-import, what their imports read."""
+        return self.family or self.key
 
     @property
     def key(self) -> str:
@@ -117,8 +126,9 @@ class RunRefused(Exception):
 class Zygote:
     """One warm interpreter for a context (overmind.zygote); forks a child per load or run."""
 
-    def __init__(self, context: Context, config: Config, modules: list, refused: list = ()) -> None:
+    def __init__(self, context: Context, config: Config, modules: list, refused: list = (), on_reads=None) -> None:
         self.context = context
+        self.on_reads = on_reads  # called with (context, names, prefixes) its imports read
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(context.env)
         env["OVERMIND_DISABLE"] = "1"  # a warm interpreter calls originals; it never patches
@@ -171,6 +181,7 @@ class Zygote:
         message, _, fds = P.recv_message(self.sock, max_blob=0)
         P.close_fds(fds)
         ready = P.expect(message, P.LoaderReady, "from a warm interpreter")
+        self._heard(ready.environ)
         self.imported = list(ready.imported)
         self.refused = list(ready.refused)
         self.ready = True
@@ -189,6 +200,8 @@ class Zygote:
             self.sock.settimeout(timeout)
             reply, _, got = P.recv_message(self.sock, max_blob=0)
             P.close_fds(got)
+            if isinstance(reply, (P.JobFailed, P.JobStarted)):
+                self._heard(reply.environ)
             if isinstance(reply, P.JobFailed):
                 self.refused = sorted(set(self.refused) | {n for n in reply.refused if isinstance(n, str)})
                 raise P.RemoteError(reply.code, reply.message, reply.traceback)
@@ -197,6 +210,11 @@ class Zygote:
             self.learned = list(started.learned)
             self.last_used = time.time()
             return started
+
+    def _heard(self, environ) -> None:
+        names, prefixes = reads_from_wire(environ)  # untrusted: validated, bounded
+        if (names or prefixes) and self.on_reads is not None:
+            self.on_reads(self.context, names, prefixes)
 
     def start_job(self, key: str, blob: bytes, modules: list, sys_path: list, cwd: str
                   ) -> tuple[socket.socket, int]:
@@ -263,18 +281,44 @@ class LoaderPool:
         self.zygotes: "OrderedDict[str, Zygote]" = OrderedDict()
         self.learned: dict[str, list] = {}  # context key -> installed modules its runs and loads imported
         self.refused: dict[str, set] = {}  # context key -> modules that started a thread when imported
+        # context lineage -> (names, prefixes) its interpreters' imports read: Note [Settings an import read]
+        self.reads: dict[str, tuple[set, set]] = {}
+        self.reads_lock = threading.Lock()
         self.retired = 0
         self.settling = 0  # loaders that answered and still rebuild their segments (see _settle)
 
     def _modules_for(self, context: Context) -> list:
-        return list(self.learned.get(context.key, ()))
+        """What the lineage learned, its live interpreters' lessons included: a variant keyed on
+        another value of a variable read at import starts as warm as they are."""
+        known = list(self.learned.get(context.lineage, ()))
+        refused = self.refused.get(context.lineage, set())
+        for zygote in self.zygotes.values():
+            if zygote.context.lineage == context.lineage:
+                known += [n for n in [*zygote.imported, *zygote.learned] if n not in known and n not in refused]
+        return known[:MAX_LEARNED]
+
+    def _heard_reads(self, context: Context, names: list, prefixes: list) -> None:
+        with self.reads_lock:
+            known_names, known_prefixes = self.reads.setdefault(context.lineage, (set(), set()))
+            known_names.update(names[:max(MAX_NAMES - len(known_names), 0)])
+            known_prefixes.update(prefixes[:max(MAX_PREFIXES - len(known_prefixes), 0)])
+
+    def with_reads(self, context: Context, env) -> Context:
+        """``context`` with the caller's values (``env``, its whole environment) of the variables its
+        lineage's imports read: a caller whose values differ from an interpreter's gets another,
+        imported under its own (Note [Settings an import read] in overmind.import_env)."""
+        with self.reads_lock:
+            names, prefixes = self.reads.get(context.lineage, ((), ()))
+            chosen = select(env, names, prefixes) if isinstance(env, dict) else {}
+        merged = {**dict(context.env), **chosen}
+        return Context(context.python, tuple(sorted(merged.items())), family=context.lineage)
 
     def _remember(self, zygote: Zygote) -> None:
-        known = self.learned.setdefault(zygote.context.key, [])
+        known = self.learned.setdefault(zygote.context.lineage, [])
         for name in [*zygote.imported, *zygote.learned]:
             if name not in known and len(known) < MAX_LEARNED:
                 known.append(name)
-        refused = self.refused.setdefault(zygote.context.key, set())
+        refused = self.refused.setdefault(zygote.context.lineage, set())
         refused.update(zygote.refused)
         known[:] = [name for name in known if name not in refused]
 
@@ -289,7 +333,8 @@ class LoaderPool:
                 zygote = None
             if zygote is None and create:
                 zygote = self.zygotes[context.key] = Zygote(context, self.config, self._modules_for(context),
-                                                            sorted(self.refused.get(context.key, ())))
+                                                            sorted(self.refused.get(context.lineage, ())),
+                                                            on_reads=self._heard_reads)
             if zygote is not None:
                 self.zygotes.move_to_end(context.key)
             victims = []
@@ -315,7 +360,7 @@ class LoaderPool:
         try:
             if modules:
                 with self.lock:
-                    known = self.learned.setdefault(context.key, [])
+                    known = self.learned.setdefault(context.lineage, [])
                     seen = set(known)
                     known.extend(n for n in modules if n not in seen and len(known) < MAX_LEARNED)
             zygote = self._zygote(context)
@@ -418,6 +463,7 @@ class LoaderPool:
     def fork_run(self, context: Context, spec: dict, fds: list[int]) -> int:
         """Fork a run from the context's ready interpreter; its pid, or RunRefused (and one is
         made ready for next time)."""
+        base, context = context, self.with_reads(context, spec.get("env"))
         zygote = self._zygote(context, create=False)
         if zygote is None or not zygote.ready:
             if zygote is None:
@@ -426,6 +472,12 @@ class LoaderPool:
         try:
             return zygote.fork_run(spec, fds)
         except P.RemoteError as err:
+            if err.code == P.ErrorCode.ENV_DIFFERS:  # it told us what its imports read: key on that now
+                again = self.with_reads(base, spec.get("env"))
+                if again.key != context.key:
+                    threading.Thread(target=self.prepare, args=(again,), daemon=True, name="overmind-prepare").start()
+                raise RunRefused(f"{err.message} (Note [Settings an import read]); an interpreter imported "
+                                 "under this run's environment is starting") from None
             if err.code != P.ErrorCode.NOT_FORKABLE:
                 raise RunRefused(err.message) from None
             self._retire(zygote, err.message)

@@ -71,6 +71,7 @@ import sys
 import threading
 
 from overmind import protocol as P
+from overmind.import_env import Reads, differs, recording
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ class WarmInterpreter:
         self.learned: list[str] = []  # what runs imported that we did not hold: for our successor
         self.to_learn: list[str] = []
         self.refused_modules: set[str] = set()
+        self.reads = Reads()  # Note [Settings an import read] in overmind.import_env
+        self.told: tuple[set, set] = (set(), set())  # the names and prefixes the server has heard of
         self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
     # -- start ------------------------------------------------------------------------------
@@ -118,28 +121,42 @@ class WarmInterpreter:
         self.refused_modules.update(n for n in warm.refused if isinstance(n, str))
         yielding = _yield_cpu()  # Note [Warming up yields the CPU]
         imported = self._import(PREIMPORT)
-        import overmind.quirks  # noqa: F401  (torch-side helpers before forking)
-        import overmind.reductions  # noqa: F401
-        import overmind.warm  # noqa: F401  (what every run imports first)
+        with recording(self.reads):
+            import overmind.quirks  # noqa: F401  (torch-side helpers before forking)
+            import overmind.reductions  # noqa: F401
+            import overmind.warm  # noqa: F401  (what every run imports first)
 
         self.threads = _native_threads()  # Note [Forking past torch's thread]: counted here, once
         imported += self._import(warm.modules)
         self._record_files()
-        _index_bound_names()
+        self._index()
         if yielding:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        P.send_message(self.control, P.LoaderReady(os.getpid(), imported, refused=sorted(self.refused_modules)))
+        P.send_message(self.control, P.LoaderReady(os.getpid(), imported, refused=sorted(self.refused_modules),
+                                                   environ=self._news()))
 
     def _import(self, names) -> list[str]:
         done = []
         for name in names:
-            if name in sys.modules or name in self.refused_modules or not _installed(name):
+            if name in sys.modules or name in self.refused_modules:
                 continue
             before = threading.active_count(), _native_threads()
-            try:
-                importlib.import_module(name)
-            except BaseException as err:  # noqa: BLE001 - a module that fails here costs the run an import
-                logger.debug("pre-import of %s failed: %s", name, err)
+            self.reads.unbounded = ""
+            failed, installed = None, False
+            # Note [Settings an import read] in overmind.import_env; find_spec imports the parent package
+            with recording(self.reads):
+                try:
+                    installed = _installed(name)
+                    if installed:
+                        importlib.import_module(name)
+                except BaseException as err:  # noqa: BLE001 - a module that fails here costs the run an import
+                    failed = err
+            if self.reads.unbounded:  # Note [Settings an import read] in overmind.import_env: not followed
+                logger.debug("importing %s read the environment untraced (%s)", name, self.reads.unbounded)
+            if not installed:
+                continue
+            if failed is not None:
+                logger.debug("pre-import of %s failed: %s", name, failed)
                 self.refused_modules.add(name)
                 continue
             if (threading.active_count(), _native_threads()) != before and self.threads:
@@ -151,6 +168,19 @@ class WarmInterpreter:
                 continue
             done.append(name)
         return done
+
+    def _index(self) -> None:
+        """_index_bound_names, recorded: looking names up may import (lazy modules)."""
+        with recording(self.reads):
+            _index_bound_names()
+
+    def _news(self) -> dict:
+        """The names and prefixes read since the server last heard: only news travels."""
+        names = [n for n in self.reads.names if n not in self.told[0]]
+        prefixes = [p for p in self.reads.prefixes if p not in self.told[1]]
+        self.told[0].update(names)
+        self.told[1].update(prefixes)
+        return {"names": names, "prefixes": prefixes} if names or prefixes else {}
 
     def _record_files(self) -> None:
         from overmind.installed import installed_modules
@@ -276,7 +306,7 @@ class WarmInterpreter:
         now, self.to_learn = self.to_learn[:last + 1], self.to_learn[last + 1:]
         self._import(now)
         self._record_files()
-        _index_bound_names()
+        self._index()
 
     def _learn_one(self) -> None:
         """One learned module, then back to select: a Fork waiting goes first (Note [Warm interpreters learn])."""
@@ -289,7 +319,7 @@ class WarmInterpreter:
                 os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         if not self.to_learn:
             self._record_files()
-            _index_bound_names()
+            self._index()
 
     def _front_end_gone(self, pid: int, child: _RunChild) -> None:
         """The front end closed its connection (killed, or its terminal went away): so does the run."""
@@ -343,8 +373,15 @@ class WarmInterpreter:
         if why:
             P.close_fds(fds)
             P.send_message(self.control, P.JobFailed(getattr(message, "key", "run"), P.ErrorCode.NOT_FORKABLE, why,
-                                                     refused=sorted(self.refused_modules)))
+                                                     refused=sorted(self.refused_modules), environ=self._news()))
             return
+        if isinstance(message, P.Fork):  # Note [Settings an import read] in overmind.import_env
+            env = message.spec.get("env") if isinstance(message.spec, dict) else None
+            why = differs(env if isinstance(env, dict) else {}, os.environ, self.reads.names, self.reads.prefixes)
+            if why:
+                P.close_fds(fds)
+                P.send_message(self.control, P.JobFailed("run", P.ErrorCode.ENV_DIFFERS, why, environ=self._news()))
+                return
         if isinstance(message, P.Job):
             pid = self._fork_job(message, blob, fds[0])
             self.loads.add(pid)
@@ -356,7 +393,8 @@ class WarmInterpreter:
                                                          "the front end left before its run started"))
                 return
             key = "run"
-        P.send_message(self.control, P.JobStarted(key, pid, modules=len(sys.modules), learned=self.learned))
+        P.send_message(self.control, P.JobStarted(key, pid, modules=len(sys.modules), learned=self.learned,
+                                                  environ=self._news()))
 
     def _fork_job(self, job: P.Job, blob: bytes, job_fd: int) -> int:
         gc.freeze()  # Note [Frozen before forking]
@@ -389,7 +427,7 @@ class WarmInterpreter:
         except BlockingIOError:
             pass
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
-        _index_bound_names()  # at once unless something was imported since the last time
+        self._index()  # at once unless something was imported since the last time
         gc.freeze()  # Note [Frozen before forking]
         pid = os.fork()
         if pid == 0:

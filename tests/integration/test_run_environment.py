@@ -1,0 +1,125 @@
+"""``overmind run`` sees the settings plain python would, whatever the warm interpreter's imports
+read from the environment (Note [Settings an import read] in overmind.import_env).
+
+Real server, real front end, real torch; and a real installed module of our own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import ServerProcess
+from .test_run import _env, _plain, _run, _runs, _wait_warm
+
+INDUCTOR = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "TORCHDYNAMO_VERBOSE": "1"}
+
+SETTINGS = """
+import json, sys
+held = "torch._inductor.config" in sys.modules
+import torch._inductor.config as inductor, torch._dynamo.config as dynamo
+print(json.dumps({"held": held, "settings": [inductor.fx_graph_cache, inductor.compile_threads,
+                                             inductor.max_autotune, dynamo.verbose]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def env_server():
+    runtime = Path(tempfile.mkdtemp(prefix="om-env-", dir="/tmp"))
+    server = ServerProcess(runtime)
+    _run(server, "-c", "pass")  # refused: starts the warm interpreter
+    _wait_warm(server)
+    yield server
+    server.stop()
+    subprocess.run(["rm", "-rf", str(runtime)])
+
+
+def _until_warm_and_held(server, args, env, cwd, check, timeout: float = 150) -> list:
+    """Run until a run was forked from an interpreter that held the module; every output on the
+    way is checked by ``check`` (plain or warm, each must see its own settings)."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while True:
+        _wait_warm(server)
+        before = _runs(server)
+        proc = _run(server, *args, env=env, cwd=cwd)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        forked = _runs(server) > before
+        seen.append((forked, proc.stdout))
+        check(proc.stdout)
+        if forked and proc.stdout.startswith(("{\"held\": true", "True ")):
+            return seen
+        assert time.monotonic() < deadline, f"never warm with the module held: {seen}\n{server.log()[-3000:]}"
+        time.sleep(0.3)
+
+
+def test_inductor_and_dynamo_settings_are_plain_pythons_after_an_interpreter_learned_them_without(env_server,
+                                                                                                    tmp_path):
+    script = tmp_path / "settings.py"
+    script.write_text(SETTINGS)
+    env_without = _env(env_server)
+    env_with = _env(env_server, **INDUCTOR)
+    plain_without = json.loads(_plain(str(script), env=env_without, cwd=tmp_path).stdout)["settings"]
+    plain_with = json.loads(_plain(str(script), env=env_with, cwd=tmp_path).stdout)["settings"]
+    assert plain_with != plain_without  # the settings do change what plain python sees
+
+    def sees(expected):
+        return lambda out: (json.loads(out)["settings"] == expected
+                            or pytest.fail(f"saw {out.strip()}, plain python sees {expected}"))
+
+    # The interpreter learns torch._inductor.config from runs without the settings...
+    _until_warm_and_held(env_server, [str(script)], env_without, tmp_path, sees(plain_without))
+    # ...then a run with them sees them (plain once, saying why), and soon runs warm with them.
+    runs = _until_warm_and_held(env_server, [str(script)], env_with, tmp_path, sees(plain_with))
+    assert not runs[0][0], runs  # never from the interpreter imported without them
+    # The first interpreter still serves the environment it imported under.
+    _until_warm_and_held(env_server, [str(script)], env_without, tmp_path, sees(plain_without))
+
+
+LIBRARY = """
+import os
+FLAVOUR = os.environ.get("{name}_FLAVOUR", "plain")  # a keyed read, of a name no list holds
+EXTRAS = sorted(k for k, v in os.environ.items() if k.startswith("{name}_EXTRA_"))  # an iteration
+"""
+
+
+def _prefix() -> str:
+    return f"ENVLIB{os.getpid()}"  # matches no prefix overmind keys on (nor OVERMIND_, never recorded)
+
+
+@pytest.fixture
+def envlib():
+    """A module under site-packages (installed code a warm interpreter may hold) that keeps
+    settings of arbitrary names read at import."""
+    name = f"overmind_test_envlib_{os.getpid()}"
+    path = Path(sysconfig.get_paths()["purelib"]) / f"{name}.py"
+    path.write_text(LIBRARY.format(name=_prefix()))
+    os.utime(path, (time.time() - 60, time.time() - 60))
+    yield name
+    path.unlink()
+
+
+def test_an_installed_librarys_own_setting_read_at_import_is_the_runs_own(env_server, tmp_path, envlib):
+    script = tmp_path / "flavour.py"
+    script.write_text(f"import sys\nheld = {envlib!r} in sys.modules\nimport {envlib} as lib\n"
+                      "print(held, lib.FLAVOUR, lib.EXTRAS)\n")
+    upper = _prefix()
+
+    def sees(flavour, extras):
+        return lambda out: (out.split(" ", 1)[1] == f"{flavour} {extras}\n"
+                            or pytest.fail(f"saw {out.strip()!r}, plain python sees {flavour} {extras}"))
+
+    _until_warm_and_held(env_server, [str(script)], _env(env_server), tmp_path, sees("plain", []))
+    spicy = _env(env_server, **{f"{upper}_FLAVOUR": "spicy"})
+    _until_warm_and_held(env_server, [str(script)], spicy, tmp_path, sees("spicy", []))
+    extra = _env(env_server, **{f"{upper}_EXTRA_A": "1"})  # no name read: a prefix iterated
+    _until_warm_and_held(env_server, [str(script)], extra, tmp_path, sees("plain", [f"{upper}_EXTRA_A"]))
