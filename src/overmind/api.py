@@ -175,7 +175,7 @@ def _rebuild(conn, reply, skeleton: bytes, references: dict) -> Any:
 
 
 def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] = None) -> Any:
-    """Rebuild an existing entry by key (loaders use this for ``vae=vae`` arguments)."""
+    """Rebuild an existing entry by key: an entry a hit refers to (its ``vae=vae`` arguments)."""
     from overmind import protocol as P
     from overmind.client import Connection
     from overmind.config import Config

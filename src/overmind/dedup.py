@@ -1,6 +1,6 @@
 """What sealed segments already hold: the loader's side of storing each content once.
 
-    store = SegmentContents(connect)     # connect() -> an overmind.client.Connection
+    store = SegmentContents(index)       # the server's content index, handed over with the job
     packed = pack(model, store=store)    # overmind.reductions asks store.find(digest, nbytes)
     store.fds, store.holders             # sent with the job's result, after its own segments
     store.close()
@@ -9,19 +9,20 @@ See Note [Stored once by content] in overmind.reductions and Note [Content index
 overmind.registry.
 
 Note [Found regions are checked]
-The index comes from the server and names regions by inode; before a region replaces a
-copy, its bytes are hashed again here, from a mapping of the sealed segment itself. A
-stale index, a reused inode number or a bug then costs a copy, never a wrong weight, and
-no hash is ever taken over memory a client can write.
+The index comes from the server and names regions by inode; a segment is opened through
+``/proc/<server>/fd/<n>`` and refused unless it is a sealed memfd of that very inode
+(DESIGN invariant 7), and before a region replaces a copy, its bytes are hashed again here,
+from a mapping of the sealed segment itself. A stale index, an evicted entry, a reused fd
+number, a server whose fds cannot be opened this way, or a bug then costs a copy, never a
+wrong weight, and no hash is ever taken over memory a client can write.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
-from typing import Callable, Optional
+from typing import Optional
 
 import xxhash
 
@@ -37,12 +38,22 @@ MAX_SEGMENTS = P.MAX_FDS - 16
 
 
 class SegmentContents:
-    """A :class:`overmind.reductions.ContentStore` over the server's content index."""
+    """A :class:`overmind.reductions.ContentStore` over the server's content index
+    (``Registry.content_index`` and the server's pid, as ``LoaderJob`` hands them over)."""
 
-    def __init__(self, connect: Callable[[], "object"]) -> None:
-        self._connect = connect
-        self._index: Optional[dict[tuple[bytes, int], list[tuple[int, int, int, int]]]] = None
+    def __init__(self, index: dict, server_pid: int) -> None:
+        self._server_pid = server_pid
+        self._index: dict[tuple[bytes, int], list[tuple[int, int, int, int]]] = {}
         self._keys: list[str] = []
+        self._handles: list[list] = []
+        try:
+            self._keys = [str(k) for k in index["keys"]]
+            self._handles = [list(h) for h in index["handles"]]
+            for digest, nbytes, holder, dev, ino, offset in index["regions"]:
+                self._index.setdefault((bytes.fromhex(digest), nbytes), []).append((holder, dev, ino, offset))
+        except (KeyError, TypeError, ValueError) as err:  # no index: every storage is written, as before dedup
+            logger.warning("malformed content index (%s); storing this load's bytes without dedup", err)
+            self._index = {}
         self.fds: list[int] = []  # external segments, in the store's numbering
         self.sizes: list[int] = []
         self.holders: list[str] = []  # entries whose segments these are
@@ -51,25 +62,8 @@ class SegmentContents:
         self._views: list[mmap.mmap] = []
         self._used: set[tuple[int, int]] = set()
 
-    def _load_index(self) -> dict:
-        if self._index is None:
-            self._index = {}
-            try:
-                message, blob, fds = self._connect().request(P.GetContents())
-                for fd in fds:
-                    os.close(fd)
-                P.expect(message, P.Contents, "for the content index")
-                index = json.loads(blob)
-                self._keys = [str(k) for k in index["keys"]]
-                for digest, nbytes, holder, dev, ino, offset in index["regions"]:
-                    self._index.setdefault((bytes.fromhex(digest), nbytes), []).append((holder, dev, ino, offset))
-            except Exception as err:  # no index: every storage is written, as before dedup existed
-                logger.warning("content index unavailable (%s); storing this load's bytes without dedup", err)
-                self._index = {}
-        return self._index
-
     def find(self, digest: bytes, nbytes: int) -> Optional[tuple[int, int]]:
-        for holder, dev, ino, offset in self._load_index().get((digest, nbytes), ()):
+        for holder, dev, ino, offset in self._index.get((digest, nbytes), ()):
             number = self._segment(holder, dev, ino)
             if number is None or (number, offset) in self._used:
                 continue
@@ -84,37 +78,25 @@ class SegmentContents:
         return None
 
     def _segment(self, holder: int, dev: int, ino: int) -> Optional[int]:
-        """This store's number for segment (dev, ino), fetching its fd from the holding entry."""
+        """This store's number for segment (dev, ino), opened through the holding entry's handle."""
         number = self._numbers.get((dev, ino))
         if number is not None or (dev, ino) in self._unavailable:
             return number
-        if len(self.fds) >= MAX_SEGMENTS or not 0 <= holder < len(self._keys):
+        if len(self.fds) >= MAX_SEGMENTS or not 0 <= holder < min(len(self._keys), len(self._handles)):
             self._unavailable.add((dev, ino))
             return None
         key = self._keys[holder]
+        handle = next((h for h in self._handles[holder] if isinstance(h, list) and len(h) == 4
+                       and (h[2], h[3]) == (dev, ino)), None)
         try:
-            message, _, fds = self._connect().request(P.GetFds(key))
-        except (OSError, P.ProtocolError) as err:
-            logger.debug("cannot fetch segments of %s: %s", key[:16], err)
-            self._unavailable.add((dev, ino))
-            return None
-        chosen = None
-        try:
-            if isinstance(message, P.Fds) and len(message.sizes) == len(fds):
-                for fd, size in zip(fds, message.sizes):
-                    st = os.fstat(fd)
-                    if (st.st_dev, st.st_ino) == (dev, ino) and chosen is None:
-                        # refuses unsealed memory and any other inode: DESIGN invariant 7
-                        segment = Segment.from_fd(fd, size, f"{key[:12]}.shared", identity=(dev, ino))
-                        chosen = (fd, size, segment.map_private())
-        except (OSError, ValueError) as err:
-            logger.warning("segment of %s refused: %s", key[:16], err)
-            chosen = None
-        finally:
-            for fd in fds:
-                if chosen is None or fd != chosen[0]:
-                    os.close(fd)
-        if chosen is None:  # evicted since the index was sent
+            if handle is None:
+                raise ValueError("not among the holder's segments")
+            # refuses unsealed memory and any other inode: DESIGN invariant 7
+            segment = Segment.open_proc(self._server_pid, handle[0], handle[1], f"{key[:12]}.shared",
+                                        identity=(dev, ino))
+            chosen = (segment.fd, handle[1], segment.map_private())
+        except (OSError, ValueError, TypeError) as err:  # evicted since, or /proc refused: copy instead
+            logger.debug("segment %d:%d of %s not opened: %s", dev, ino, key[:16], err)
             self._unavailable.add((dev, ino))
             return None
         number = len(self.fds)

@@ -28,9 +28,10 @@ it gets only the CPU time nobody else wants, and the caller's load runs as witho
 overmind. That priority is lent back (SCHED_OTHER) as soon as someone waits for the
 fill: a load that waits (``OVERMIND_COLD=wait``, strict mode) starts at normal priority,
 one that joins later lifts it, a fill that has not started yet (queued behind
-``OVERMIND_WORKERS`` yielding fills) lifts those that hold the slots, and a waiting
-loader (a ``vae=vae`` argument) passes the lift on to the fill it waits for. A yielding
-loader that waits on another yielding fill lends nothing: neither is wanted yet. And after
+``OVERMIND_WORKERS`` yielding fills) lifts those that hold the slots, and a fill that waits
+for the fill of an entry its call refers to (a ``vae=vae`` argument) passes the lift on to
+it. A yielding fill that waits on another yielding fill lends nothing: neither is wanted
+yet. And after
 ``OVERMIND_FILL_YIELD`` seconds a fill competes normally, so a machine that stays busy
 delays the cache but never starves it into the loader timeout. Only the loader child
 yields: the server, warm interpreters and runs keep their priority. Lifting SCHED_IDLE
@@ -166,7 +167,7 @@ class FillPriorities:
         self.config = config
         self.fill_lock = threading.Lock()
         self.fills: dict[str, Fill] = {}  # key -> the fill in flight for it
-        self.waits: dict[int, str] = {}  # pid of a loader waiting for another key's fill -> that key
+        self.waits: dict[str, str] = {}  # key of a fill waiting for another key's fill (a reference) -> that key
         self.lenders: dict[str, int] = {}  # key -> processes waiting for it that lend it their priority
         self.can_lift_idle = can_lift_idle()
 
@@ -204,8 +205,6 @@ class FillPriorities:
         with self.fill_lock:
             if self.fills.get(fill.key) is fill:
                 del self.fills[fill.key]
-            if fill.pid:
-                self.waits.pop(fill.pid, None)
 
     def forked(self, fill: Fill, pid: int) -> None:
         with self.fill_lock:
@@ -277,27 +276,43 @@ class FillPriorities:
 
     @contextlib.contextmanager
     def waiting(self, key: str, waiter: int):
-        """Process ``waiter`` waits for the fill of ``key`` in this block: lend it normal
-        priority, unless the waiter is itself a fill nobody waits for yet (then remember,
-        to pass a later lift on)."""
+        """Process ``waiter`` waits for the fill of ``key`` in this block: lend it normal priority."""
         with self.fill_lock:
-            waiting_fill = next((f for f in self.fills.values() if waiter and f.pid == waiter), None)
-            if waiting_fill is not None:
-                self.waits[waiter] = key
-            lends = waiting_fill is None or not waiting_fill.background
-            if lends:
-                self.lenders[key] = self.lenders.get(key, 0) + 1
-                self._hurry(key, set(), f"pid {waiter} waits for it")
+            self._lend(key, f"pid {waiter} waits for it")
         try:
             yield
         finally:
             with self.fill_lock:
-                if self.waits.get(waiter) == key:
-                    del self.waits[waiter]
+                self._unlend(key)
+
+    @contextlib.contextmanager
+    def depends(self, fill: Fill, key: str):
+        """``fill`` waits in this block, before its loader starts, for the fill of ``key`` (an
+        entry its call refers to: Note [The loader is handed its references] in
+        overmind.server). It lends that fill its priority only if someone waits for it in turn;
+        otherwise a later lift passes on (``_hurry``)."""
+        with self.fill_lock:
+            self.waits[fill.key] = key
+            lends = not fill.background
+            if lends:
+                self._lend(key, f"{fill.key[:16]} refers to it and is waited for")
+        try:
+            yield
+        finally:
+            with self.fill_lock:
+                if self.waits.get(fill.key) == key:
+                    del self.waits[fill.key]
                 if lends:
-                    self.lenders[key] -= 1
-                    if not self.lenders[key]:
-                        del self.lenders[key]
+                    self._unlend(key)
+
+    def _lend(self, key: str, why: str) -> None:
+        self.lenders[key] = self.lenders.get(key, 0) + 1
+        self._hurry(key, set(), why)
+
+    def _unlend(self, key: str) -> None:
+        self.lenders[key] -= 1
+        if not self.lenders[key]:
+            del self.lenders[key]
 
     def _hurry(self, key: str, seen: set, why: str) -> None:
         fill = self.fills.get(key)
@@ -306,10 +321,11 @@ class FillPriorities:
         seen.add(key)
         fill.background = False
         fill.wanted.set()
+        if key in self.waits:  # it waits for the fill of an entry it refers to, before its loader starts
+            self._hurry(self.waits[key], seen, f"{why}, through {key[:16]}")
+            return
         if fill.pid:
             self._lift(fill, why)
-            if fill.pid in self.waits:  # it waits for another fill in turn
-                self._hurry(self.waits[fill.pid], seen, f"{why}, through pid {fill.pid}")
             return
         # Not forked yet: queued behind the fills that hold the load slots.
         for other in list(self.fills.values()):

@@ -4,7 +4,8 @@ Runs in a child forked from a warm interpreter (``overmind.zygote``), one per co
 
     run_job(job, blob, job_sock)     # -> JobResult or JobFailed on job_sock; the exit code
 
-The child unpickles the call (rebuilding ``vae=vae``-style arguments from the cache),
+The child unpickles the call (rebuilding ``vae=vae``-style arguments from the entries the
+server hands it: Note [The loader is handed its references] in ``overmind.server``),
 calls the original, unpatched loader, strips what does not survive pickling
 (``overmind.quirks``), packs the result into new sealed segments and sends their fds
 and the skeleton to the server. Then it exits; see Note [Zygotes never touch CUDA]
@@ -14,6 +15,7 @@ in ``overmind.loader_pool``.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import os
 import socket
@@ -183,6 +185,52 @@ class FileObserver:
         return out
 
 
+class _Handed:
+    """What the server hands a loader on its job socket before the call: the entries the call
+    refers to and the content index (Note [The loader is handed its references] in
+    overmind.server). ``rebuild(key)`` gives each entry's object, once."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.entries: dict[str, tuple[P.Entry, bytes, list[int]]] = {}
+        self.index: dict = {}
+        self.built: dict[str, Any] = {}
+        while True:
+            message, blob, fds = P.recv_message(sock)
+            if isinstance(message, P.Ok):
+                P.close_fds(fds)
+                return
+            if isinstance(message, P.Entry):
+                self.entries[message.key] = (message, blob, fds)
+            elif isinstance(message, P.Contents):
+                P.close_fds(fds)
+                self.index = json.loads(blob)
+            else:
+                P.close_fds(fds)
+                raise P.ProtocolError(f"unexpected {type(message).__name__} before the job")
+
+    def rebuild(self, key: str) -> Any:
+        if key in self.built:
+            return self.built[key]
+        from overmind.memfd import Segment
+        from overmind.reductions import unpack
+
+        if key not in self.entries:
+            raise LookupError(f"the server handed over no entry {key[:16]}, which the call refers to")
+        entry, skeleton, fds = self.entries[key]
+        meta = P.LoadMeta.from_wire(entry.meta)
+        references = {k: self.rebuild(k) for k in meta.references}
+        sys.path.extend(p for p in meta.sys_path_extra if isinstance(p, str) and p not in sys.path)
+        live = [(i, handle) for i, handle in enumerate(entry.segments) if handle is not None]
+        if len(live) != len(fds):
+            raise P.ProtocolError(f"entry {key[:16]} came with {len(fds)} fds for {len(live)} segments")
+        mappings: list = [None] * len(entry.segments)
+        for (i, (_, size, dev, ino)), fd in zip(live, fds):
+            with Segment.from_fd(fd, size, f"{key[:12]}.{i}", identity=(dev, ino)) as segment:
+                mappings[i] = segment.map_private()  # the mapping keeps the file; the fd goes
+        self.built[key] = unpack(skeleton, mappings, references=references)
+        return self.built[key]
+
+
 def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
     """Run one load in this (forked) process; answer on ``job_sock``. Returns the exit code."""
     started = time.monotonic()
@@ -191,26 +239,12 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         sys.path[:] = job.sys_path
         from overmind import callstate, quirks
         from overmind.calls import decode_call
-        from overmind.config import Config
         from overmind.dedup import SegmentContents
         from overmind.reductions import pack
         from overmind.replay import Recorder
 
-        conn_holder: list = []
-
-        def connect():
-            if not conn_holder:
-                from overmind.client import Connection
-
-                conn_holder.append(Connection.open(Config.from_env(), role="loader", autostart=False))
-            return conn_holder[0]
-
-        def resolve_entry(key: str):
-            from overmind.api import fetch_entry
-
-            return fetch_entry(key, [connect()])
-
-        call = decode_call(blob, resolve_entry)
+        handed = _Handed(job_sock)
+        call = decode_call(blob, handed.rebuild)
         refs = call.references
         before = {key: _state_of(obj) for key, obj in refs.items()}
         # Note [Process-global state of a load]: the caller's state, then its generators'.
@@ -243,7 +277,7 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         quirks.prepare_for_pickle(result)
         # Arguments handed back unchanged travel as references: the client puts its own object there.
         references = {id(obj): key for key, obj in refs.items() if _state_of(obj) == before[key]}
-        store = SegmentContents(connect)
+        store = SegmentContents(handed.index, handed.index.get("server_pid", 0))
         handed_back: set = set()  # their storages are not packed again: the client supplies them
         for obj in refs.values():
             if id(obj) in references:

@@ -373,10 +373,13 @@ class LoaderPool:
             logger.warning("preparing a warm interpreter for context %s failed: %s", context.key, err)
 
     def run(self, key: str, context: Context, cwd: str, sys_path: list, blob: bytes, modules: list = (),
-            fill: Fill | None = None) -> tuple[P.JobResult, bytes, list[int]]:
+            fill: Fill | None = None, references: list = (), contents: dict | None = None
+            ) -> tuple[P.JobResult, bytes, list[int]]:
         """Run one load; returns (result, skeleton, segment fds) or raises LoadFailure. ``fill``
         (from ``fills.begin``) sets its priority (Note [Cold fills yield to their caller] in
-        overmind.fill_priority)."""
+        overmind.fill_priority). ``references``: (registry Reply, segment fds) of the entries
+        the call refers to, and ``contents`` the content index, handed to the loader (Note [The
+        loader is handed its references] in overmind.server); the fds stay the caller's."""
         fill = fill or Fill(key, background=False)
         for attempt in (1, 2):
             try:
@@ -403,6 +406,13 @@ class LoaderPool:
         try:
             deadline = time.monotonic() + self.config.loader_timeout
             try:
+                job.settimeout(self.config.loader_timeout)  # a loader that stops reading is killed below
+                for reply, fds in references:
+                    P.send_message(job, P.Entry(reply.key, os.getpid(), reply.handles, reply.nbytes, True, reply.meta),
+                                   reply.skeleton, fds=fds)
+                index = {**(contents or {"keys": [], "handles": [], "regions": []}), "server_pid": os.getpid()}
+                P.send_message(job, P.Contents(len(index["regions"])), json.dumps(index).encode())
+                P.send_message(job, P.Ok())
                 while True:
                     self.fills.wait_answer(job, fill, deadline)
                     job.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -419,7 +429,7 @@ class LoaderPool:
                 raise LoadFailure(P.ErrorCode.LOADER_TIMEOUT,
                                   f"loader pid {pid} exceeded OVERMIND_LOADER_TIMEOUT={self.config.loader_timeout:g}s "
                                   "and was killed") from None
-            except (EOFError, P.ProtocolError, ConnectionResetError) as err:
+            except (EOFError, P.ProtocolError, ConnectionResetError, BrokenPipeError) as err:
                 self._kill(pid)
                 raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
                                   f"loader pid {pid} died before answering ({err}); a crash or a kill "

@@ -148,7 +148,7 @@ class Hello(Message):
     TYPE: ClassVar[int] = 1
     version: int
     pid: int
-    role: str  # "client", "loader" or "cli"
+    role: str  # "client", "cli" or "run" (the `overmind run` front end)
     package_version: str = ""
 
 

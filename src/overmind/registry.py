@@ -16,8 +16,10 @@ Note [Content index]
 Each entry lists the contents its loader hashed (Note [Stored once by content] in
 overmind.reductions) as ``[digest, nbytes, slot, offset]``. :meth:`Registry.content_index`
 turns them into regions of live segments, named by (device, inode) and by an entry that
-holds the segment, so a loader can ask that entry for the fd. The index is built per
-request from the entries themselves: nothing to keep consistent on eviction.
+holds the segment, with that entry's segment handles, so a loader can open the segment
+through ``/proc/<server>/fd`` and check it is that file. The index is built per cold load
+from the entries themselves and handed to its loader with the job: nothing to keep
+consistent on eviction (a segment evicted meanwhile cannot be opened: its bytes are copied).
 
 Note [Only deterministic failures are remembered]
 A load whose original loader raised will raise again: it is remembered for
@@ -257,6 +259,22 @@ class Registry:
         reply = None if entry is None else self._hit(entry, count=False)
         return None if reply is None else reply.handles
 
+    def pinned(self, key: str) -> Optional[tuple[Reply, list[int]]]:
+        """A hit for ``key`` with duplicates of its live segments' fds, in slot order (the caller
+        closes them): what a loader gets of an entry its call refers to (Note [The loader is
+        handed its references] in overmind.server). None if there is no fresh entry."""
+        entry = self._fresh_entry(key)
+        if entry is None:
+            return None
+        with self._lock:
+            if self._entries.get(key) is not entry:
+                return None
+            entry.hits += 1
+            self.hits += 1
+            entry.last_used = time.time()
+            reply = Reply(entry.key, entry.handles(), entry.nbytes, entry.meta, entry.skeleton)
+            return reply, [os.dup(slot[0]) for slot in entry.slots if slot is not None]
+
     def begin(self, key: str, lookup_only: bool = False) -> Admission:
         """A hit, the flight to wait for (started by this request or another), or a remembered failure.
 
@@ -397,6 +415,7 @@ class Registry:
         """Regions of live segments by content, for loaders: Note [Content index]."""
         with self._lock:
             keys: list[str] = []
+            handles: list[list] = []
             regions: list[list] = []
             seen: set = set()
             for entry in sorted(self._entries.values(), key=lambda e: e.last_used, reverse=True):
@@ -411,7 +430,8 @@ class Registry:
                         added = True
                 if added:
                     keys.append(entry.key)
-            return {"keys": keys, "regions": regions}
+                    handles.append(entry.handles())
+            return {"keys": keys, "handles": handles, "regions": regions}
 
     def summaries(self) -> list[dict]:
         """Per entry: bytes owned and shared (Note [Memory is counted per segment]), hits, last use."""

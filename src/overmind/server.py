@@ -80,6 +80,18 @@ SOCKET_CHECK_INTERVAL = 0.5
 HOUSEKEEPING_INTERVAL = 10.0  # warm interpreters: idle time and memory (LoaderPool.housekeeping)
 MAX_MODULES = 20000  # module names one Prepare may teach (a big script imports ~4000)
 MAX_PLAIN_SECONDS = 1024  # keys whose plain load time we remember
+PEER_ROLES = ("client", "cli", "run")  # what Hello.role says; a loader never connects (Note [The loader is handed its references])
+
+# Note [The loader is handed its references]
+# A call may pass objects that came from the cache (``vae=vae``, ``controlnet=[a, b]``): the
+# client sends their keys (``Load.refs``) and the loader must rebuild the same objects. Before
+# the loader starts (and before it takes a load slot), the server waits for those entries to be
+# cached (a fill still running lends it our priority: FillPriorities.depends), then hands them
+# to the loader on its job socket, each an ``Entry`` with its skeleton and the fds of its
+# segments, the entries they refer to in turn included, then the content index (``Contents``,
+# Note [Content index] in overmind.registry) and ``Ok``. So a loader never calls the server
+# back: the server never waits on a loader that waits on the server, and the loader imports
+# nothing of the client side (tests/unit/test_layers.py).
 
 # Note [Joining a fill]
 # A caller that finds its key filling (run 2 of a script, started while run 1's fill still
@@ -126,6 +138,7 @@ class Server:
         self.load_slots = threading.BoundedSemaphore(config.workers)
         self.active = 0  # requests being served
         self.connections = 0  # connection threads alive: Note [Every peer is bounded]
+        self.peers: dict[str, int] = {}  # handshakes by the role the peer gave (one of PEER_ROLES, or "other")
         self.active_lock = threading.Lock()
         self.refused = 0
         self.busy_refusals = 0
@@ -294,6 +307,9 @@ class Server:
                 self._drop(fds)
                 if not isinstance(hello, P.Hello):
                     raise P.ProtocolError(f"expected Hello, got {type(hello).__name__}")
+                role = hello.role if hello.role in PEER_ROLES else "other"
+                with self.active_lock:
+                    self.peers[role] = self.peers.get(role, 0) + 1
                 if hello.version != P.PROTOCOL_VERSION:
                     self._reply_error(conn, P.ErrorCode.VERSION_MISMATCH,
                                       f"client speaks protocol {hello.version}, server speaks {P.PROTOCOL_VERSION}")
@@ -427,7 +443,7 @@ class Server:
     def status(self) -> dict:
         info = {"pid": os.getpid(), "version": __version__, "uptime": time.time() - self.started,
                 **self.registry.counters(), "refused_connections": self.refused,
-                "busy_refusals": self.busy_refusals, "connections": self.connections,
+                "busy_refusals": self.busy_refusals, "connections": self.connections, "peers": dict(self.peers),
                 "socket": str(self.config.socket_path), "socket_rebinds": self.socket_rebinds, "runs": self.runs,
                 "torch_imported": "torch" in sys.modules}
         info["bytes"] = info["used"] = self.registry.used()
@@ -556,14 +572,57 @@ class Server:
                 logger.warning("load of %s failed: %s", request.key[:16], flight.error.message[:300])
             self.registry.finish(request.key, flight, remember=remember)
 
+    def _references(self, request: P.Load, fill: Fill) -> list:
+        """Note [The loader is handed its references]: (Reply, segment fds) of every entry the
+        call refers to, and of those they refer to; waits for those still filling."""
+        handed: list = []
+        try:
+            pending, seen = list(request.refs), set()
+            deadline = time.monotonic() + self.config.loader_timeout
+            while pending:
+                key = pending.pop(0)
+                if key in seen:
+                    continue
+                seen.add(key)
+                if len(seen) > MAX_LIST:
+                    raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"more than {MAX_LIST} entries referred to")
+                reply, fds = self._reference(key, fill, deadline)
+                handed.append((reply, fds))
+                pending += P.LoadMeta.from_wire(reply.meta).references
+            return handed
+        except BaseException:
+            for _, fds in handed:
+                self._drop(fds)
+            raise
+
+    def _reference(self, key: str, fill: Fill, deadline: float) -> tuple:
+        while True:
+            found = self.registry.pinned(key)
+            if found is not None:
+                return found
+            admission = self.registry.begin(key, lookup_only=True)
+            if admission.flight is not None:
+                with self.loaders.fills.depends(fill, key):  # it lends the fill our priority, if we have it
+                    if not admission.flight.done.wait(max(deadline - time.monotonic(), 0.0)):
+                        raise LoadFailure(P.ErrorCode.LOADER_TIMEOUT, f"gave up waiting for {key[:16]}, "
+                                          "an entry this load refers to")
+            elif admission.reply is None:  # failed, or evicted since the caller named it
+                raise LoadFailure(P.ErrorCode.NOT_FOUND, f"the entry {key[:16]} this load refers to is not cached")
+
     def _run_load(self, request: P.Load, blob: bytes, pid: int, fill: Fill) -> CacheEntry:
         context, cwd, sys_path = context_from_wire(request.context)
         self.loaders.fills.after_caller(fill)  # Note [Cold fills wait for their caller] in overmind.fill_priority
+        references = self._references(request, fill)
         started = time.monotonic()
-        with self.load_slots:
-            logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)
-            result, skeleton, fds = self.loaders.run(request.key, context, cwd, sys_path, blob, request.modules,
-                                                     fill=fill)
+        try:
+            with self.load_slots:
+                logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)
+                result, skeleton, fds = self.loaders.run(request.key, context, cwd, sys_path, blob, request.modules,
+                                                         fill=fill, references=references,
+                                                         contents=self.registry.content_index())
+        finally:
+            for _, handed in references:
+                self._drop(handed)
         # The loader sends its new segments and, after them, those of other entries that hold some
         # of its storages already (Note [Stored once by content] in overmind.reductions).
         slots: list = [None] * result.nslots

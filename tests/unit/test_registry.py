@@ -42,7 +42,7 @@ def test_shared_segments_are_counted_once_and_indexed_by_inode():
     registry.evict(["b"])
     assert {r[0] for r in registry.content_index()["regions"]} == {"aa" * 16, "bb" * 16}
     registry.evict(["a"])
-    assert registry.content_index() == {"keys": [], "regions": []}
+    assert registry.content_index() == {"keys": [], "handles": [], "regions": []}
     own.close()
     other.close()
 
