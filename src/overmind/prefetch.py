@@ -238,7 +238,7 @@ def new_module_names(seen: set) -> list:
 def report_imports(conn) -> None:
     """Note [Teaching the interpreter while importing]."""
     from overmind import protocol as P
-    from overmind.api import _context
+    from overmind.cache import context as _context
 
     seen: set = set()
     deadline = time.monotonic() + REPORT_FOR

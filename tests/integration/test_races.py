@@ -32,7 +32,7 @@ import json, os, sys
 import torch
 from transformers import LlamaForCausalLM
 from overmind import protocol as P
-from overmind.api import _context, _rebuild
+from overmind.cache import _rebuild, context as _context
 from overmind.calls import Target, encode_call
 from overmind.client import Connection, SegmentChanged, _slot_handles
 from overmind.config import Config

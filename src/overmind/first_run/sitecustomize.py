@@ -71,7 +71,7 @@ def _teach() -> None:
 
     def report() -> bool:
         from overmind import protocol as P
-        from overmind.api import _context
+        from overmind.cache import context as _context
         from overmind.prefetch import new_module_names  # the warm interpreter keeps only installed ones
 
         new = new_module_names(state["seen"])
