@@ -69,7 +69,7 @@ class StaleConnection(ConnectionError):
 
 
 class CachePending(Exception):
-    """A miss being loaded in the background (Note [Cold loads run behind the caller])."""
+    """A miss being loaded in the background (Note [Cold loads run behind the caller] in overmind.cold_loads)."""
 
     def __init__(self, key: str, loading: bool, reason: str, code: int = 0) -> None:
         super().__init__(reason or f"{key} is loading in the background")

@@ -8,7 +8,7 @@
     fills.end(fill)
 
 Note [Cold fills wait for their caller]
-On a miss nobody waits for (Note [Cold loads run behind the caller] in overmind.server)
+On a miss nobody waits for (Note [Cold loads run behind the caller] in overmind.cold_loads)
 the caller loads plainly while a loader would fill the cache with the same work. Run at
 once, the fill shares the cores, the memory bandwidth and the page allocator with the
 caller: a cast to fp16 made the caller's load 2-3.5 x plain on 2 cores, and still 2 x with
@@ -85,7 +85,7 @@ class Fill:
         self.forked_at = 0.0
         self.idle = False  # under SCHED_IDLE now: a waiter lifts it
         self.yielded_at = 0.0
-        # Its loader's progress reports (Note [Joining a fill] in overmind.server).
+        # Its loader's progress reports (Note [Joining a fill] in overmind.cold_loads).
         self.packing_since = 0.0  # when the pack began (its first report); 0: not yet
         self.written = 0
         self.expected = 0
@@ -289,7 +289,7 @@ class FillPriorities:
     def depends(self, fill: Fill, key: str):
         """``fill`` waits in this block, before its loader starts, for the fill of ``key`` (an
         entry its call refers to: Note [The loader is handed its references] in
-        overmind.server). It lends that fill its priority only if someone waits for it in turn;
+        overmind.cold_loads). It lends that fill its priority only if someone waits for it in turn;
         otherwise a later lift passes on (``_hurry``)."""
         with self.fill_lock:
             self.waits[fill.key] = key

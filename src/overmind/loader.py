@@ -5,7 +5,7 @@ Runs in a child forked from a warm interpreter (``overmind.zygote``), one per co
     run_job(job, blob, job_sock)     # -> JobResult or JobFailed on job_sock; the exit code
 
 The child unpickles the call (rebuilding ``vae=vae``-style arguments from the entries the
-server hands it: Note [The loader is handed its references] in ``overmind.server``),
+server hands it: Note [The loader is handed its references] in ``overmind.cold_loads``),
 calls the original, unpatched loader, strips what does not survive pickling
 (``overmind.quirks``), packs the result into new sealed segments and sends their fds
 and the skeleton to the server. Then it exits; see Note [Zygotes never touch CUDA]
@@ -69,7 +69,7 @@ class _Progress:
 
     Note [Progress of a pack]
     A caller that finds its key filling decides between waiting and loading plainly on how
-    long the fill should still take (Note [Joining a fill] in overmind.server). The loader
+    long the fill should still take (Note [Joining a fill] in overmind.cold_loads). The loader
     knows: before packing it counts the bytes of the result's storages (those of the
     arguments handed back unchanged left out: they are not packed again), then reports the
     bytes in place every PROGRESS_INTERVAL seconds, counted by the fill threads as each
@@ -188,7 +188,7 @@ class FileObserver:
 class _Handed:
     """What the server hands a loader on its job socket before the call: the entries the call
     refers to and the content index (Note [The loader is handed its references] in
-    overmind.server). ``rebuild(key)`` gives each entry's object, once."""
+    overmind.cold_loads). ``rebuild(key)`` gives each entry's object, once."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.entries: dict[str, tuple[P.Entry, bytes, list[int]]] = {}

@@ -379,7 +379,7 @@ class LoaderPool:
         (from ``fills.begin``) sets its priority (Note [Cold fills yield to their caller] in
         overmind.fill_priority). ``references``: (registry Reply, segment fds) of the entries
         the call refers to, and ``contents`` the content index, handed to the loader (Note [The
-        loader is handed its references] in overmind.server); the fds stay the caller's."""
+        loader is handed its references] in overmind.cold_loads); the fds stay the caller's."""
         fill = fill or Fill(key, background=False)
         for attempt in (1, 2):
             try:

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["start", "take", "loading", "program_id", "populate"]
+__all__ = ["plan", "background", "take", "loading", "program_id", "populate", "report_imports"]
 
 MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14
 POPULATE_CHUNK = 32 << 20  # bytes per madvise call: Note [Prefetch]

@@ -189,7 +189,7 @@ class Load(Message):
 @message
 class PlainLoaded(Message):
     """A client that got ``Pending`` ran the original itself, in ``seconds``; no answer. The
-    server weighs a later caller's wait for the fill against it (Note [Joining a fill])."""
+    server weighs a later caller's wait for the fill against it (Note [Joining a fill] in overmind.cold_loads)."""
 
     TYPE: ClassVar[int] = 17
     key: str
@@ -478,7 +478,7 @@ class LoadMeta(Message):
 @message
 class FillProgress(Message):
     """A loader packing its result says how far it is, now and then, before its answer
-    (Note [Joining a fill] in overmind.server): bytes in place and the bytes it expects."""
+    (Note [Joining a fill] in overmind.cold_loads): bytes in place and the bytes it expects."""
 
     TYPE: ClassVar[int] = 48
     key: str

@@ -7,7 +7,7 @@ return the same model, warn exactly once per process, and stay bounded in time;
 ``OVERMIND_STRICT=1`` turns each fallback into an ``OvermindError``.
 
 On a miss the client normally loads plainly while the server caches behind it (Note
-[Cold loads run behind the caller] in overmind.server); scenarios about a client that
+[Cold loads run behind the caller] in overmind.cold_loads); scenarios about a client that
 *waits* for the cache set ``OVERMIND_COLD=wait``.
 """
 

@@ -148,5 +148,6 @@ def test_every_patch_point_round_trips_and_warm_loads_hit(server, paths):
               if ":AutoencoderKL.from_pretrained(" in e["description"] or ":ControlNetModel.from_pretrained(" in e["description"]}
     assert len(passed) == 3 and passed <= set(pipeline["meta"]["references"])
     assert not passed & set(pipeline["refs"])
-    # their loaders were handed those entries: none connected back (Note [The loader is handed its references])
+    # their loaders were handed those entries: none connected back (Note [The loader is handed its
+    # references] in overmind.cold_loads)
     assert set(server.status()["peers"]) <= {"client", "cli"}, server.status()["peers"]

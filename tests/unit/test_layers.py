@@ -1,6 +1,6 @@
 """Which side may import which: the server and its loaders never reach the client side.
 
-Note [The loader is handed its references] in overmind.server: a loader gets the entries its
+Note [The loader is handed its references] in overmind.cold_loads: a loader gets the entries its
 call refers to from the server, so neither it nor the server imports the user API or the
 client's connection code. Each check runs in a fresh interpreter.
 """

@@ -193,7 +193,7 @@ class BenchServer:
 
     def wait_idle(self, timeout: float = JOB_TIMEOUT) -> dict:
         """Cold loads finish behind the caller (Note [Cold loads run behind the caller] in
-        overmind.server): the next run must not share the machine with a cache fill, nor with
+        overmind.cold_loads): the next run must not share the machine with a cache fill, nor with
         a loader still rebuilding its segments out of huge pages (Note [Huge pages for segments]
         in overmind.memfd), and a warm load measures the segments as they stay."""
         deadline = time.monotonic() + timeout
