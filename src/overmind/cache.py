@@ -175,10 +175,10 @@ def _meta(reply):
 
 
 def context() -> dict:
-    from overmind.config import ENV_NAMES, ENV_PREFIXES
+    from overmind.config import selecting_environment
 
-    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
-    return {"python": sys.executable, "cwd": os.getcwd(), "sys_path": list(sys.path), "env": env}
+    return {"python": sys.executable, "cwd": os.getcwd(), "sys_path": list(sys.path),
+            "env": selecting_environment(os.environ)}
 
 
 def load_target(target: "Target", args: tuple, kwargs: dict) -> Any:

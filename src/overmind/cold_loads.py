@@ -3,6 +3,7 @@
     loads = ColdLoads(config, registry, loader_pool, history)   # one per overmind.server.Server
     loads.load(conn, request, blob, pid)      # a Load message: Entry, Pending or Error on conn
     loads.plain_loaded(message)               # a PlainLoaded message (no answer)
+    loads.send_fds(conn, message)             # GetFds; loads.prefetch(conn, message, pid): Prefetch
 
 Note [Cold loads run behind the caller]
 On a miss the server starts the load in a loader process and, unless the client
@@ -100,6 +101,28 @@ class ColdLoads:
 
     def counters(self) -> dict:
         return {"joined": self.joined, "not_cacheable": self.not_cacheable}
+
+    def send_fds(self, conn: socket.socket, message: P.GetFds) -> None:
+        """Duplicates of an entry's segment fds, for a client that cannot open them through /proc."""
+        found = self.registry.segment_fds(message.key)
+        if found is None:
+            return reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {message.key[:MAX_KEY]}")
+        sizes, fds = found
+        try:
+            P.send_message(conn, P.Fds(message.key, sizes), fds=fds)
+        finally:
+            P.close_fds(fds)
+
+    def prefetch(self, conn: socket.socket, message: P.Prefetch, pid: int) -> None:
+        """What this program loaded last time and is cached: Note [Prefetch] in overmind.prefetch."""
+        if not isinstance(message.program, str) or len(message.program) > MAX_KEY:
+            return reply_error(conn, P.ErrorCode.BAD_REQUEST, "malformed program")
+        entries = []
+        for key in self.history.last(message.program, pid):
+            handles = self.registry.peek(key)
+            if handles is not None:
+                entries.append([key, handles])
+        P.send_message(conn, P.PrefetchReply(os.getpid(), entries))
 
     def plain_loaded(self, message: P.PlainLoaded) -> None:
         """A caller's plain load of a key being filled returned, in ``message.seconds``."""

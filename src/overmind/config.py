@@ -63,7 +63,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Config", "ConfigError", "default_runtime_dir", "ensure_private_dir", "open_runtime_file",
            "write_runtime_file", "read_runtime_file", "patching_disabled", "prestart_enabled",
-           "extra_patch_points", "flag", "ENV_PREFIXES", "ENV_NAMES", "FLAG_SPELLINGS", "LOG_LEVELS", "COLD_MODES"]
+           "extra_patch_points", "flag", "selecting_environment", "ENV_PREFIXES", "ENV_NAMES", "FLAG_SPELLINGS",
+           "LOG_LEVELS", "COLD_MODES"]
 
 # Environment a loader inherits from the client (and that selects its zygote).
 ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "CUDA_", "NVIDIA_", "TORCH_", "PYTORCH_",
@@ -93,6 +94,12 @@ ENV_NAMES = ("HOME", "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYT
 # Everything else (a script's own settings, DISPLAY, SSH_*, terminal variables) reaches each
 # run through its own environment but does not select an interpreter: keying on all of it
 # would start an interpreter per terminal, and no import read it.
+
+
+def selecting_environment(environ) -> dict:
+    """The variables of ``environ`` that always select a warm interpreter (the first part of
+    Note [Environment that selects an interpreter]): what a client sends as its context's env."""
+    return {k: v for k, v in environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
 
 
 class ConfigError(ValueError):

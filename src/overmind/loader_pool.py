@@ -35,14 +35,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from overmind import protocol as P
-from overmind.config import ENV_NAMES, ENV_PREFIXES, Config, open_runtime_file
+from overmind.config import Config, open_runtime_file, selecting_environment
 from overmind.fill_priority import Fill, FillPriorities, can_lift_idle, every_thread, to_normal
 from overmind.import_env import MAX_NAMES, MAX_PREFIXES, reads_from_wire, select
 
 logger = logging.getLogger("overmind.server.loaders")
 
-__all__ = ["Context", "Fill", "LoaderPool", "LoadFailure", "RunRefused", "context_from_wire", "run_from_wire",
-           "ENV_PREFIXES", "ENV_NAMES"]
+__all__ = ["Context", "Fill", "LoaderPool", "LoadFailure", "RunRefused", "context_from_wire", "run_from_wire"]
 
 READY_TIMEOUT = 300.0
 FORK_TIMEOUT = 30.0  # a Fork waits at most for one learned module's import (Note [Warm interpreters learn])
@@ -93,7 +92,7 @@ def _check_context(data: dict) -> Context:
         raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"context python {python!r} is not an executable absolute path")
     if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
         raise LoadFailure(P.ErrorCode.BAD_REQUEST, "context env must map strings to strings")
-    kept = {k: v for k, v in env.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    kept = selecting_environment(env)
     return Context(python, tuple(sorted(kept.items())))
 
 

@@ -326,10 +326,6 @@ class Registry:
         counts as a hit (``count``), so hits + misses = requests. None if evicted already."""
         return None if flight.entry is None else self._hit(flight.entry, count)
 
-    def loading(self) -> int:
-        with self._lock:
-            return len(self._flights)
-
     def remembered_failures(self) -> int:
         with self._lock:
             return len(self._failures)

@@ -124,10 +124,9 @@ def run_spec(mode: str, target: str, args: list[str]) -> dict:
 
 
 def run_context(python: str) -> dict:
-    from overmind.config import ENV_NAMES, ENV_PREFIXES
+    from overmind.config import selecting_environment
 
-    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
-    return {"python": os.path.abspath(python), "env": env}
+    return {"python": os.path.abspath(python), "env": selecting_environment(os.environ)}
 
 
 def _start_server_in_background(config: Config) -> None:

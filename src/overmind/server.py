@@ -36,7 +36,7 @@ from overmind import __version__
 from overmind import protocol as P
 from overmind.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
                              write_runtime_file)
-from overmind.cold_loads import MAX_KEY, MAX_TEXT, ColdLoads, reply_error
+from overmind.cold_loads import MAX_TEXT, ColdLoads, reply_error
 from overmind.loader_pool import LoaderPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
 from overmind.programs import ProgramHistory
 from overmind.registry import Registry
@@ -300,14 +300,7 @@ class Server:
         if isinstance(message, P.Load):
             self.loads.load(conn, message, blob, pid)
         elif isinstance(message, P.GetFds):
-            found = self.registry.segment_fds(message.key)
-            if found is None:
-                return reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {message.key[:MAX_KEY]}")
-            sizes, fds = found
-            try:
-                P.send_message(conn, P.Fds(message.key, sizes), fds=fds)
-            finally:
-                P.close_fds(fds)
+            self.loads.send_fds(conn, message)
         elif isinstance(message, P.GetContents):
             index = self.registry.content_index()
             P.send_message(conn, P.Contents(len(index["regions"])), json.dumps(index).encode())
@@ -334,14 +327,7 @@ class Server:
         elif isinstance(message, P.PlainLoaded):  # no answer: the client does not wait for one
             self.loads.plain_loaded(message)
         elif isinstance(message, P.Prefetch):
-            if not isinstance(message.program, str) or len(message.program) > MAX_KEY:
-                return reply_error(conn, P.ErrorCode.BAD_REQUEST, "malformed program")
-            entries = []
-            for key in self.history.last(message.program, pid):
-                handles = self.registry.peek(key)
-                if handles is not None:
-                    entries.append([key, handles])
-            P.send_message(conn, P.PrefetchReply(os.getpid(), entries))
+            self.loads.prefetch(conn, message, pid)
         elif isinstance(message, P.Shutdown):
             P.send_message(conn, P.Ok())
             logger.info("shutdown requested by pid %d", pid)

@@ -30,8 +30,9 @@ A fork inherits what no Python code can undo; these differ from a fresh ``python
 - ASLR is decided at exec: every run of one zygote has the same library, heap and stack
   addresses, so ``id()`` values and default reprs repeat.
 - What CPython reads once, at start: ``sys.flags``, ``sys._xoptions``, ``sys.warnoptions``, the
-  filesystem encoding and ``open()``'s UTF-8 mode, sys.path from PYTHONPATH and site.
-  ``ZYGOTE_ENV`` names those variables: the server keys zygotes on them.
+  filesystem encoding and ``open()``'s UTF-8 mode, sys.path from PYTHONPATH and site. The
+  server keys zygotes on those variables (``ENV_NAMES``: Note [Environment that selects an
+  interpreter] in overmind.config).
 - Pre-imported modules stay imported, and their import-time work happened in the zygote: its
   output and warnings went to the zygote's log, module constants read the zygote's environment
   (huggingface_hub.constants, libgomp's OMP_NUM_THREADS) and clock (logging's relativeCreated
@@ -57,15 +58,12 @@ from __future__ import annotations
 
 import atexit
 import builtins
-import codecs
 import faulthandler
 import fcntl
 import gc
 import importlib
 import importlib.machinery
 import importlib.util
-import io
-import locale
 import marshal
 import os
 import runpy
@@ -78,27 +76,12 @@ from dataclasses import dataclass
 from typing import Callable, NoReturn
 
 from overmind import teardown
+from overmind import warm_startup as startup
 from overmind.installed import RUN_FOLDERS, installed_modules  # noqa: F401  (installed_modules: re-exported)
 
-__all__ = ["become", "installed_modules", "ZYGOTE_ENV"]
-
-# Read by CPython only while it starts: a zygote can serve only runs that agree with it on these.
-ZYGOTE_ENV = frozenset({
-    "PYTHONHASHSEED", "PYTHONPATH", "PYTHONHOME", "PYTHONPLATLIBDIR", "PYTHONNOUSERSITE",
-    "PYTHONUSERBASE", "PYTHONOPTIMIZE", "PYTHONDEBUG", "PYTHONVERBOSE", "PYTHONWARNINGS",
-    "PYTHONDEVMODE", "PYTHONTRACEMALLOC", "PYTHONPYCACHEPREFIX", "PYTHONMALLOC",
-    "PYTHONMALLOCSTATS", "PYTHONWARNDEFAULTENCODING", "PYTHONNODEBUGRANGES", "PYTHONINSPECT",
-    "PYTHONPROFILEIMPORTTIME", "PYTHONCASEOK", "PYTHONEXECUTABLE",
-})
+__all__ = ["become", "installed_modules"]
 
 _MODES = ("script", "module", "code")
-_COERCION_TARGETS = ("C.UTF-8", "C.utf8", "UTF-8")  # PEP 538, in CPython's order
-_COERCION_WARNING = ("Python detected LC_CTYPE=C: LC_CTYPE coerced to {} (set another locale "
-                     "or PYTHONCOERCECLOCALE=0 to disable this locale coercion behavior).\n")
-_C_LOCALE_WARNING = ("Python runtime initialized with LC_CTYPE=C (a locale with default ASCII "
-                     "encoding), which may cause Unicode compatibility problems. Using C.UTF-8, "
-                     "C.utf8, or UTF-8 (if available) as alternative Unicode-compatible locales is "
-                     "recommended.\n")
 # Frames of this file are cut from the user's tracebacks: plain python has none above <module>.
 _THIS_FILE = (lambda: None).__code__.co_filename
 # Note [Zygote stdio is never flushed in the child]
@@ -106,7 +89,6 @@ _THIS_FILE = (lambda: None).__code__.co_filename
 # dup2, or collected (which flushes), they would land in the user's output: the child keeps
 # them alive and untouched here until os._exit.
 _ZYGOTE_STREAMS: list = []
-# The folder a run put at sys.path[0] (its script's, or the cwd): the user's, for installed_modules().
 
 
 @dataclass(frozen=True)
@@ -164,7 +146,7 @@ def _parse_spec(spec: dict) -> _Run:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise ValueError("run spec field 'env' must map strings to strings")
     ignored = frozenset(int(s) for s in spec.get("ignored_signals") or ())
-    command = [sys.orig_argv[0] if sys.orig_argv else sys.executable, *_interpreter_options(),
+    command = [sys.orig_argv[0] if sys.orig_argv else sys.executable, *startup.interpreter_options(),
                *{"code": ["-c"], "module": ["-m"], "script": []}[mode], target, *argv]
     return _Run(mode, target, list(argv), need("cwd", str), dict(env), need("umask", int), ignored,
                 command)
@@ -189,10 +171,10 @@ def _prepare(run: _Run) -> bool:
     os.environ.update(run.env)
     os.chdir(run.cwd)
     os.umask(run.umask)
-    utf8, ctype = _apply_locale(run.env)
-    _install_stdio(run.env, utf8, ctype)
-    if ctype == "C" and _pyenv(run.env, "PYTHONCOERCECLOCALE") == "warn":
-        sys.stderr.write(_C_LOCALE_WARNING)  # left uncoerced (LC_ALL is set): CPython says so
+    utf8, ctype = startup.apply_locale(run.env)
+    startup.install_stdio(run.env, utf8, ctype, keep=_ZYGOTE_STREAMS)
+    if ctype == "C" and startup.pyenv(run.env, "PYTHONCOERCECLOCALE") == "warn":
+        sys.stderr.write(startup.C_LOCALE_WARNING)  # left uncoerced (LC_ALL is set): CPython says so
     _reset_interpreter_state(run.env)
     _reseed()
     return _set_argv_and_path(run)
@@ -218,114 +200,15 @@ def _reset_signals(ignored: frozenset[int]) -> None:
     signal.set_wakeup_fd(-1)
 
 
-def _pyenv(env: dict[str, str], name: str) -> str | None:
-    """A PYTHON* variable as CPython reads it: ignored under -E/-I, empty means unset."""
-    return None if sys.flags.ignore_environment else env.get(name) or None
-
-
-def _interpreter_options() -> list[str]:
-    """The zygote's own interpreter options: what comes before its ``-c CODE``."""
-    argv = sys.orig_argv
-    return argv[1:argv.index("-c")] if "-c" in argv[1:] else []
-
-
-def _run_flag(letters: str, name: str, env: dict[str, str]) -> bool:
-    """A start-up option of this run: given on the zygote's command line (one of ``letters``:
-    -u, -B, -P, -I), or set by ``name`` in the run's environment. The zygote's environment set
-    sys.flags too, but it was the zygote's, not the run's."""
-    given = set()
-    for option in _interpreter_options():
-        if option[:1] == "-" and option[:2] != "--":
-            given.update(option[1:].split("W")[0].split("X")[0])  # a -W/-X value holds no flags
-    return bool(given & set(letters)) or bool(_pyenv(env, name))
-
-
-def _apply_locale(env: dict[str, str]) -> tuple[bool, str]:
-    """LC_CTYPE from the run's environment as CPython sets it at start, PEP 538 coercion
-    included. Returns (UTF-8 mode for stdio, the LC_CTYPE locale)."""
-    try:
-        locale.setlocale(locale.LC_CTYPE, "")
-    except locale.Error:
-        locale.setlocale(locale.LC_CTYPE, "C")  # where a fresh process starts
-    ctype = locale.setlocale(locale.LC_CTYPE)
-    utf8 = _utf8_mode(env, ctype)
-    coerce = _pyenv(env, "PYTHONCOERCECLOCALE")
-    if ctype == "C" and coerce != "0" and not env.get("LC_ALL"):
-        for target in _COERCION_TARGETS:
-            try:
-                locale.setlocale(locale.LC_CTYPE, target)
-            except locale.Error:
-                continue
-            if locale.nl_langinfo(locale.CODESET):
-                os.environ["LC_CTYPE"] = target  # exported to children, as CPython does
-                if coerce == "warn":
-                    os.write(2, _COERCION_WARNING.format(target).encode())
-                break
-        else:
-            locale.setlocale(locale.LC_CTYPE, ctype)
-    return utf8, locale.setlocale(locale.LC_CTYPE)
-
-
-def _utf8_mode(env: dict[str, str], ctype: str) -> bool:
-    option = sys._xoptions.get("utf8")
-    value = _pyenv(env, "PYTHONUTF8") if option is None else ("1" if option is True else option)
-    if value is not None:
-        if value not in ("0", "1"):
-            # A plain python refuses to start: so does the cold start, in its own words.
-            raise ValueError(f"invalid UTF-8 mode {value!r}")
-        return value == "1"
-    return ctype in ("C", "POSIX")
-
-
-def _stdio_encoding(env: dict[str, str], utf8: bool, ctype: str) -> tuple[str, str]:
-    encoding = errors = None
-    if configured := _pyenv(env, "PYTHONIOENCODING"):
-        name, _, handler = configured.partition(":")
-        if name:
-            encoding, errors = name, handler or "strict"  # PYTHONIOENCODING=latin1 is strict
-        elif handler:
-            errors = handler
-    if encoding is None:
-        encoding = "utf-8" if utf8 else locale.nl_langinfo(locale.CODESET) or "utf-8"
-    encoding = codecs.lookup(encoding).name  # LookupError: a plain python would not start
-    if errors is None:
-        legacy = ctype in ("C", "POSIX", *_COERCION_TARGETS)
-        errors = "surrogateescape" if utf8 or legacy else "strict"
-    return encoding, errors
-
-
-def _install_stdio(env: dict[str, str], utf8: bool, ctype: str) -> None:
-    _ZYGOTE_STREAMS.extend([sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__,
-                            sys.__stderr__])
-    encoding, errors = _stdio_encoding(env, utf8, ctype)
-    unbuffered = _run_flag("u", "PYTHONUNBUFFERED", env)
-    sys.stdin = sys.__stdin__ = _create_stdio(0, "<stdin>", encoding, errors, unbuffered)
-    sys.stdout = sys.__stdout__ = _create_stdio(1, "<stdout>", encoding, errors, unbuffered)
-    sys.stderr = sys.__stderr__ = _create_stdio(2, "<stderr>", encoding, "backslashreplace", unbuffered)
-
-
-def _create_stdio(fd: int, name: str, encoding: str, errors: str, unbuffered: bool) -> io.TextIOWrapper:
-    """The calls of CPython's create_stdio() (Python/pylifecycle.c)."""
-    write = fd != 0
-    buffering = 0 if unbuffered and write else -1  # TextIOWrapper reads through a buffer
-    buf = io.open(fd, "wb" if write else "rb", buffering, closefd=False)
-    raw = buf.raw if buffering else buf
-    raw.name = name
-    stream = io.TextIOWrapper(buf, encoding, errors, newline="\n", write_through=unbuffered,
-                              line_buffering=not unbuffered and (raw.isatty() or fd == 2))
-    stream.mode = "w" if write else "r"
-    return stream
-
-
 def _reset_interpreter_state(env: dict[str, str]) -> None:
     """State a fresh interpreter derives from this run's environment and cwd, or starts empty."""
-    sys.dont_write_bytecode = _run_flag("B", "PYTHONDONTWRITEBYTECODE", env)
+    sys.dont_write_bytecode = startup.run_flag("B", "PYTHONDONTWRITEBYTECODE", env)
     if "int_max_str_digits" not in sys._xoptions:
-        digits = _pyenv(env, "PYTHONINTMAXSTRDIGITS")
+        digits = startup.pyenv(env, "PYTHONINTMAXSTRDIGITS")
         sys.set_int_max_str_digits(int(digits) if digits else sys.int_info.default_max_str_digits)
     for name in ("last_type", "last_value", "last_traceback"):
         sys.__dict__.pop(name, None)
-    if "faulthandler" in sys._xoptions or _pyenv(env, "PYTHONFAULTHANDLER"):
+    if "faulthandler" in sys._xoptions or startup.pyenv(env, "PYTHONFAULTHANDLER"):
         faulthandler.enable(file=sys.stderr, all_threads=True)
     elif faulthandler.is_enabled():
         faulthandler.disable()
@@ -401,7 +284,7 @@ def _set_argv_and_path(run: _Run) -> bool:
             return True
         path0 = os.path.dirname(os.path.realpath(path))
     RUN_FOLDERS.append(path0 or os.getcwd())
-    if not _run_flag("PI", "PYTHONSAFEPATH", run.env):
+    if not startup.run_flag("PI", "PYTHONSAFEPATH", run.env):
         sys.path.insert(0, path0)
     return False
 

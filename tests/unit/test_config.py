@@ -92,3 +92,12 @@ def test_the_server_gets_bad_yes_no_values_as_notes_to_log_not_as_warnings():
     notes: list[str] = []
     config = Config.from_env({"OVERMIND_STRICT": "banana"}, notes=notes)
     assert config.strict is False and len(notes) == 1 and "OVERMIND_STRICT='banana'" in notes[0]
+
+
+def test_the_environment_that_selects_an_interpreter_leaves_a_terminals_own_variables_out():
+    from overmind.config import selecting_environment
+
+    env = {"TORCH_HOME": "/t", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "/p", "OMP_NUM_THREADS": "2",
+           "DISPLAY": ":0", "SSH_TTY": "/dev/pts/1", "TERM": "xterm", "MY_SCRIPT_FLAG": "x"}
+    assert selecting_environment(env) == {"TORCH_HOME": "/t", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "/p",
+                                          "OMP_NUM_THREADS": "2"}
