@@ -3,6 +3,7 @@ Standard library only. See the package docstring (``overmind.protocol``)."""
 
 from __future__ import annotations
 
+import json
 import struct
 from typing import Any, ClassVar
 
@@ -91,6 +92,30 @@ class Message:
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name, _, _ in self.FIELDS}
+
+    @classmethod
+    def from_fields(cls, raw: Any) -> "Message":
+        """This message from its JSON bytes or an already parsed dict, every field checked
+        against its declared type (Note [Frames are untrusted] in overmind.protocol)."""
+        try:
+            data = json.loads(raw) if isinstance(raw, (bytes, bytearray, str)) else raw
+        except (ValueError, RecursionError) as err:  # also ints over 4300 digits and deep nesting, not just syntax
+            raise ProtocolError(f"{cls.__name__}: fields are not JSON ({str(err)[:200]})") from None
+        if not isinstance(data, dict):
+            raise ProtocolError(f"{cls.__name__}: fields must be a JSON object")
+        types = {name: allowed for name, allowed, _ in cls.FIELDS}
+        unknown = set(data) - set(types)
+        if unknown:
+            raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+        for name, value in data.items():
+            allowed = types[name]
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                raise ProtocolError(f"{cls.__name__}.{name}: expected {allowed[0].__name__}, "
+                                    f"got {type(value).__name__}")
+        try:
+            return cls(**data)
+        except TypeError as err:
+            raise ProtocolError(f"{cls.__name__}: {err}") from None
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and other.to_dict() == self.to_dict()

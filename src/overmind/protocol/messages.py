@@ -341,9 +341,7 @@ class LoadMeta(Message):
         if not isinstance(data, dict) or data.get("version") != cls.VERSION:
             raise ProtocolError(f"load metadata of version {data.get('version') if isinstance(data, dict) else None}, "
                                 f"expected {cls.VERSION}")
-        from overmind.protocol.frames import decode_fields  # frames imports this module
-
-        return decode_fields(None, data, cls)
+        return cls.from_fields(data)
 
 
 @message
