@@ -154,7 +154,7 @@ def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] =
     if holder is not None and holder:
         conn = holder[0]
     else:
-        conn = Connection.open(config, role="loader", autostart=False)
+        conn = Connection.open(config, role="client", autostart=False)
         if holder is not None:
             holder.append(conn)
     seen = {} if _seen is None else _seen
