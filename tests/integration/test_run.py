@@ -26,15 +26,20 @@ from .conftest import ServerProcess
 OVERMIND = str(Path(sys.executable).parent / "overmind")
 
 
-@pytest.fixture(scope="module")
-def warm_server():
-    runtime = Path(tempfile.mkdtemp(prefix="om-run-", dir="/tmp"))
+def started_warm_server(prefix: str):
+    """A real server whose warm interpreter is ready, for a module's fixture to ``yield from``."""
+    runtime = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     server = ServerProcess(runtime)
     _run(server, "-c", "pass")  # refused: starts the warm interpreter
     _wait_warm(server)
     yield server
     server.stop()
     subprocess.run(["rm", "-rf", str(runtime)])
+
+
+@pytest.fixture(scope="module")
+def warm_server():
+    yield from started_warm_server("om-run-")
 
 
 def _env(server, **extra) -> dict:

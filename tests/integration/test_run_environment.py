@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import ServerProcess
-from .test_run import _env, _plain, _run, _runs, _wait_warm
+from .test_run import _env, _plain, _run, _runs, _wait_warm, started_warm_server
 
 INDUCTOR = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1",
             "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "TORCHDYNAMO_VERBOSE": "1"}
@@ -33,14 +29,8 @@ print(json.dumps({"held": held, "settings": [inductor.fx_graph_cache, inductor.c
 
 
 @pytest.fixture(scope="module")
-def env_server():
-    runtime = Path(tempfile.mkdtemp(prefix="om-env-", dir="/tmp"))
-    server = ServerProcess(runtime)
-    _run(server, "-c", "pass")  # refused: starts the warm interpreter
-    _wait_warm(server)
-    yield server
-    server.stop()
-    subprocess.run(["rm", "-rf", str(runtime)])
+def env_server():  # a server of its own: what its interpreters learn stays out of test_run's
+    yield from started_warm_server("om-env-")
 
 
 def _until_warm_and_held(server, args, env, cwd, check, timeout: float = 150) -> list:
