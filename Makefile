@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py csrc/overmind.cpp
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q "setuptools>=64" wheel ninja
 	$(PIP) install -q --no-build-isolation -e ".[hf,test]"
-	$(PY) -c "import torch, overmind.native as n; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert n.HAVE_EXTENSION"
+	$(PY) -c "import torch, overmind.shared.native as n; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert n.HAVE_EXTENSION"
 	touch $(STAMP)
 
 # The main job: overmind-bench --quick, plain vs cold vs warm loads, memory and start-up of

@@ -2,7 +2,7 @@
 
     python benchmarks/fingerprint.py
 
-Client side: ``overmind.calls.fingerprint_paths`` (walk + stat of the folder the call
+Client side: ``overmind.shared.calls.fingerprint_paths`` (walk + stat of the folder the call
 names, part of every key). Server side: ``CacheEntry.fresh`` (stat of every file the
 loader observed). Medians of 200 runs each, page cache and dentry cache warm.
 """
@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from overmind.calls import fingerprint_paths
-from overmind.registry import CacheEntry
+from overmind.shared.calls import fingerprint_paths
+from overmind.server.registry import CacheEntry
 
 
 def main() -> None:

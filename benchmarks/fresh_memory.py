@@ -9,7 +9,7 @@ already touched, and prints the rate of each 512 MiB; then frees it and at once 
 reports free pages (``/sys/module/page_reporting``, virtio-balloon), the first GBs, which reuse
 memory freed moments before, fill several times faster than the rest, which the host must
 fault in again: this is why a fill of the seed's pipeline takes seconds here (Note [Joining a
-fill] in ``overmind.server``). Reads only; changes no setting.
+fill] in ``overmind.server.daemon``). Reads only; changes no setting.
 """
 
 from __future__ import annotations

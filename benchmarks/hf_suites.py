@@ -35,7 +35,7 @@ pass inherit it.
 
 Note [Aged saves] in ``hf_suites_plugin``: by default (``--age 60``) what a test saves is dated 60 s
 back, in every pass, so that loads of just-saved folders reach the cache instead of being refused as
-racy (Note [Racy files] in overmind.calls); ``--age 0`` runs the tests as they are.
+racy (Note [Racy files] in overmind.shared.calls); ``--age 0`` runs the tests as they are.
 """
 
 from __future__ import annotations
@@ -183,9 +183,9 @@ class PrivateServer:
             raise RuntimeError(f"overmind-server did not start: {line!r}; see {self.log_copy}")
 
     def counters(self) -> Optional[dict]:
-        from overmind import protocol as P
-        from overmind.client import Connection
-        from overmind.config import Config
+        from overmind.shared import protocol as P
+        from overmind.client.connection import Connection
+        from overmind.shared.config import Config
 
         try:
             with Connection.open(Config.from_env(self.env), autostart=False) as conn:

@@ -89,9 +89,9 @@ if PATCHED:
 def _server_counters() -> Optional[dict]:
     """hits/misses/uncacheable... from the private server, or None if it cannot be asked."""
     try:
-        from overmind import protocol as P
-        from overmind.client import Connection
-        from overmind.config import Config
+        from overmind.shared import protocol as P
+        from overmind.client.connection import Connection
+        from overmind.shared.config import Config
 
         conn = Connection.open(Config.from_env(), autostart=False)
         try:
@@ -106,7 +106,7 @@ def _server_counters() -> Optional[dict]:
 # -- Note [Aged saves] -------------------------------------------------------------------------
 # Upstream tests save_pretrained into a fresh temporary folder and load it at once, so nearly
 # every load finds files modified less than RACY_SECONDS ago and goes to the original uncached
-# (Note [Racy files] in overmind.calls). To make those loads reach the cache, the harness can
+# (Note [Racy files] in overmind.shared.calls). To make those loads reach the cache, the harness can
 # move the times of what a test just saved into the past. Each save gets its own time (now - S,
 # in ns), so two saves of one folder still differ, as they would after 2 s of real waiting.
 

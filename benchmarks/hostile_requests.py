@@ -35,7 +35,7 @@ from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from overmind import protocol as P
+from overmind.shared import protocol as P
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent

@@ -4,7 +4,7 @@
 
 Pairs of fresh processes, ``python -c pass`` then ``overmind run -c pass``, with a private,
 empty runtime directory and ``OVERMIND_NO_AUTOSTART=1`` (no server is started); prints the
-medians and their difference. Note [Never worse than plain python] in overmind.run.
+medians and their difference. Note [Never worse than plain python] in overmind.frontend.run.
 """
 
 from __future__ import annotations

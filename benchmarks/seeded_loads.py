@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/seeded_loads.py [--model PATH] [--runs 5]
 
 The new head is drawn from the caller's seed (Note [Loads that draw random numbers] in
-overmind.callstate), so such a load is filed by the generator state it started from. This
+overmind.shared.callstate), so such a load is filed by the generator state it started from. This
 measures what that choice costs and saves against the alternative, never caching such loads
 (which is what plain python does), in fresh processes, modes interleaved, from process start:
 
@@ -64,7 +64,7 @@ def run(model: str, seed: int, env: dict, warm: bool = False) -> dict:
 def wait_idle(env: dict, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = subprocess.run([sys.executable, "-m", "overmind.cli", "status", "--json"], env=env, capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "overmind.frontend.cli", "status", "--json"], env=env, capture_output=True,
                              text=True)
         if out.returncode == 0 and json.loads(out.stdout).get("loading", 0) == 0:
             return
@@ -106,7 +106,7 @@ def main() -> int:
                   f"{med['used'] / plain['used']:15.3f}")
         print("every run: head and next draw identical to the plain run of its seed")
     finally:
-        subprocess.run([sys.executable, "-m", "overmind.cli", "shutdown"], env=base, capture_output=True)
+        subprocess.run([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=base, capture_output=True)
         subprocess.run(["rm", "-rf", runtime])
     return 0
 

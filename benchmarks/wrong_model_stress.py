@@ -85,7 +85,7 @@ def loader(api: str):
 
 def widen(ms: float) -> None:
     """Sleep up to ``ms`` between the Entry reply and the segment opens (fault injection)."""
-    from overmind.client import Connection
+    from overmind.client.connection import Connection
 
     original = getattr(Connection, "map_segments", None)
     if original is None:
@@ -161,9 +161,9 @@ def main() -> int:
         from transformers.utils import logging as hf_logging
 
         from overmind import modelgen
-        from overmind import protocol as P
-        from overmind.client import Connection
-        from overmind.config import Config
+        from overmind.shared import protocol as P
+        from overmind.client.connection import Connection
+        from overmind.shared.config import Config
 
         hf_logging.disable_progress_bar()
         torch.set_num_threads(1)

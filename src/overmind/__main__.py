@@ -6,7 +6,7 @@
 
 import sys
 
-from overmind.run import command
+from overmind.frontend.run import command
 
 if __name__ == "__main__":
     sys.exit(command())

@@ -12,16 +12,16 @@ or, without patching, ``overmind.api.load(UNet2DConditionModel.from_pretrained, 
 when the user's own code imports its module. ``unpatch_all()`` restores everything.
 Environment: ``OVERMIND_DISABLE=1`` (patch nothing), ``OVERMIND_STRICT=1`` (raise
 instead of falling back to a plain load), ``OVERMIND_TIMEOUT`` (seconds),
-``OVERMIND_PATCH`` (extra ``module::Qualname.attr`` points); see ``overmind.config``.
+``OVERMIND_PATCH`` (extra ``module::Qualname.attr`` points); see ``overmind.shared.config``.
 
 Note [Never worse than no cache]
 If anything on the cache path fails (no server, a timeout, a garbled reply, a result
 that cannot be cached), the original loader runs in the calling process and one warning
-per process says why. A call whose arguments cannot be keyed (``overmind.calls``) goes
+per process says why. A call whose arguments cannot be keyed (``overmind.shared.calls``) goes
 straight to the original without a warning, and so does one whose original raised in the
 loader: it most likely raises here as well, and the plain call would warn nothing. So does
 one whose result cannot be rebuilt from the cache, even under ``OVERMIND_STRICT=1``: plain
-python loads it fine (Note [Results that cannot be rebuilt] in overmind.quirks).
+python loads it fine (Note [Results that cannot be rebuilt] in overmind.shared.quirks).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import sys
 import threading
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up budget)
 
-from overmind import patching
-from overmind.cache import OvermindError, fetch_entry  # noqa: F401  (public API)
+from overmind.shared import patching
+from overmind.client.cache import OvermindError, fetch_entry  # noqa: F401  (public API)
 
 if TYPE_CHECKING:  # kept out of start-up: `import overmind.api; monkey_patch_all()` costs < 50 ms
     from typing import Any, Callable, Iterable, Optional
@@ -68,14 +68,14 @@ CONFIG_FILE = "overmind.cfg"
 
 def load(fn: Callable, *args, **kwargs) -> Any:
     """Call ``fn(*args, **kwargs)`` through the cache (``fn`` must be importable by name)."""
-    from overmind.calls import Target, Uncacheable
+    from overmind.shared.calls import Target, Uncacheable
 
     fn = patching.get_original(*_point_of(fn)) if _is_wrapper(fn) else fn
     try:
         target = Target.of(fn)
     except Uncacheable:
         return fn(*args, **kwargs)
-    from overmind.cache import load_target
+    from overmind.client.cache import load_target
 
     return load_target(target, args, kwargs)
 
@@ -104,8 +104,8 @@ def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod
     if is_classmethod:
         @functools.wraps(original)
         def classmethod_wrapper(cls, *args, **kwargs):
-            from overmind.cache import load_target
-            from overmind.calls import Target
+            from overmind.client.cache import load_target
+            from overmind.shared.calls import Target
 
             bound = original.__get__(cls, cls) if hasattr(original, "__get__") else functools.partial(original, cls)
             return load_target(Target("class", cls, attr, bound), args, kwargs)
@@ -115,8 +115,8 @@ def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod
 
     @functools.wraps(original)
     def function_wrapper(*args, **kwargs):
-        from overmind.cache import load_target
-        from overmind.calls import Target
+        from overmind.client.cache import load_target
+        from overmind.shared.calls import Target
 
         return load_target(Target("module", point.module, point.qualname, original), args, kwargs)
 
@@ -144,7 +144,7 @@ def _config_file_points(start: str) -> list[patching.PatchPoint]:
 
 
 def _prestart_enabled() -> bool:
-    from overmind.config import prestart_enabled
+    from overmind.shared.config import prestart_enabled
 
     return prestart_enabled()
 
@@ -154,12 +154,12 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
     Idempotent; imports none of the patched libraries (see the module docstring).
     """
-    from overmind.config import extra_patch_points, patching_disabled, prestart_enabled, quick_exit_enabled
+    from overmind.shared.config import extra_patch_points, patching_disabled, prestart_enabled, quick_exit_enabled
 
     if patching_disabled():
         return
     if os.environ.get("OVERMIND_WARM_START", "").strip() == "1":
-        from overmind.warm_start import hand_off_script
+        from overmind.client.warm_start import hand_off_script
 
         hand_off_script(sys._getframe(1))  # returns only if this process should run the script itself
     caller_file = sys._getframe(1).f_globals.get("__file__")
@@ -171,7 +171,7 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
     points += [patching.PatchPoint.parse(p) for p in extra]
     patching.patch(points, _make_wrapper)
     if quick_exit_enabled():
-        from overmind import teardown
+        from overmind.shared import teardown
 
         teardown.leave_quickly()  # Note [The drop-in leaves quickly]
     if prestart_enabled():
@@ -182,15 +182,15 @@ def _prepare() -> None:
     """Background: reach (or start) the server and have it start a loader for this context,
     overlapping the loader's start-up with the script's own imports."""
     try:
-        from overmind import cache
-        from overmind import protocol as P
-        from overmind.client import Connection
-        from overmind.config import Config
+        from overmind.client import cache
+        from overmind.shared import protocol as P
+        from overmind.client.connection import Connection
+        from overmind.shared.config import Config
 
         config = Config.from_env()
         conn = Connection.open(config)
         conn.simple(P.Prepare(cache.context()), P.Ok, timeout=config.reply_timeout)
-        from overmind import prefetch  # Note [Prefetch] in overmind.prefetch
+        from overmind.client import prefetch  # Note [Prefetch] in overmind.client.prefetch
 
         server_pid, entries = prefetch.plan(conn)
     except Exception as err:  # the first load reports problems; this is only a head start
@@ -203,7 +203,8 @@ def _prepare() -> None:
 def _warm_up() -> None:
     """Background, once torch is imported: import what the first load needs (~8 ms of it)."""
     try:
-        from overmind import calls, client, reductions  # noqa: F401
+        from overmind.shared import calls, reductions  # noqa: F401
+        from overmind.client import connection as client
 
         calls.library_versions()
         import xxhash  # noqa: F401

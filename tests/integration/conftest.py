@@ -41,16 +41,16 @@ class ServerProcess:
         return run_python(code, env=env, **kwargs)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run([sys.executable, "-m", "overmind.cli", *args], env=self.env, capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "overmind.frontend.cli", *args], env=self.env, capture_output=True,
                               text=True, timeout=60, cwd=REPO)
         if check and proc.returncode != 0:
             raise AssertionError(f"overmind {' '.join(args)} exited {proc.returncode}: {proc.stderr}")
         return proc
 
     def status(self) -> dict:
-        from overmind import protocol as P
-        from overmind.client import Connection
-        from overmind.config import Config
+        from overmind.shared import protocol as P
+        from overmind.client.connection import Connection
+        from overmind.shared.config import Config
 
         with Connection.open(Config.from_env(self.env), role="cli", autostart=False) as conn:
             return conn.simple(P.Status(), P.StatusReply).info

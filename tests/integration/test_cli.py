@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from overmind import hugepages
+from overmind.shared import hugepages
 
 from ..conftest import REPO, age_files, child_env
 
@@ -41,7 +41,7 @@ def _load_unet(server, models) -> None:
 
 def _cli_without_server(runtime_dir, *args: str) -> subprocess.CompletedProcess:
     env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_NO_AUTOSTART="1")
-    return subprocess.run([sys.executable, "-m", "overmind.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "overmind.frontend.cli", *args], env=env, capture_output=True, text=True,
                           timeout=60, cwd=REPO)
 
 
@@ -183,7 +183,7 @@ def test_runtime_dir_option_overrides_the_environment(server, runtime_dir, tmp_p
     env = child_env(OVERMIND_RUNTIME_DIR=str(tmp_path / "elsewhere"), OVERMIND_NO_AUTOSTART="1")
     for argv in (["--runtime-dir", str(runtime_dir), "status", "--json"],
                  ["status", "--json", "--runtime-dir", str(runtime_dir)]):
-        proc = subprocess.run([sys.executable, "-m", "overmind.cli", *argv], env=env, capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "overmind.frontend.cli", *argv], env=env, capture_output=True,
                               text=True, timeout=60, cwd=REPO)
         assert proc.returncode == 0, proc.stderr
         assert _json(proc)["pid"] == server.pid

@@ -1,6 +1,6 @@
 """A cache fill nobody waits for yields the CPU to its caller; one somebody waits for does not.
 
-Note [Cold fills yield to their caller] in overmind.loader_pool. A custom patch point stands
+Note [Cold fills yield to their caller] in overmind.server.pool. A custom patch point stands
 in for a slow load: in the loader (a warm interpreter's child, ``OVERMIND_DISABLE=1``) it
 starts a second thread, leaves a file named after its pid and waits for the test's ``go``;
 in the caller it loads at once. The tests read the policy of every thread of that loader.
@@ -222,7 +222,7 @@ def test_a_fill_starts_once_its_callers_own_load_returned_even_while_the_caller_
 
 def _packing(server: ServerProcess, folder, before_mib: int, after_mib: int, original: float = 1.0) -> None:
     """A fill whose pack stops with ``before_mib`` in place and ``after_mib`` to go, once the
-    server heard so (Note [Progress of a pack] in overmind.loader); the caller loaded plainly
+    server heard so (Note [Progress of a pack] in overmind.warm.loader); the caller loaded plainly
     in 1 s, the loader's original took ``original`` seconds."""
     (folder / "pack").write_text(f"{before_mib} {after_mib} {original}")
     _call(server, folder, SLOW_CALLER="1.0")

@@ -7,7 +7,7 @@ return the same model, warn exactly once per process, and stay bounded in time;
 ``OVERMIND_STRICT=1`` turns each fallback into an ``OvermindError``.
 
 On a miss the client normally loads plainly while the server caches behind it (Note
-[Cold loads run behind the caller] in overmind.cold_loads); scenarios about a client that
+[Cold loads run behind the caller] in overmind.server.cold_loads); scenarios about a client that
 *waits* for the cache set ``OVERMIND_COLD=wait``.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from overmind import protocol as P
+from overmind.shared import protocol as P
 
 from ..conftest import REPO, child_env
 from .conftest import last_json
@@ -143,7 +143,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 180) -> dict:
 
 def _backdate(root: Path, seconds: float = 60.0) -> Path:
     """Age a tree the test just wrote: files modified in the last moments are not cached
-    (Note [Racy files] in overmind.calls)."""
+    (Note [Racy files] in overmind.shared.calls)."""
     when = time.time() - seconds
     for path in [*root.rglob("*"), root]:
         os.utime(path, (when, when))
@@ -156,8 +156,8 @@ def _no_server_env(runtime_dir: Path, **extra: str) -> dict:
 
 def _status(runtime_dir: Path, idle: bool = True) -> dict:
     """The server's status; with ``idle``, once no load is in flight (cold loads finish behind callers)."""
-    from overmind.client import Connection
-    from overmind.config import Config
+    from overmind.client.connection import Connection
+    from overmind.shared.config import Config
 
     config = Config.from_env(child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir)))
     deadline = time.monotonic() + 120
@@ -546,7 +546,7 @@ def test_loader_crash_is_reported_and_the_server_survives(server, tmp_path):
     assert len(out["warnings"]) == 1 and "LOADER_CRASHED" in out["warnings"][0], out["warnings"]
     assert out["strict"]["type"] == "OvermindError" and "LOADER_CRASHED" in out["strict"]["message"]
     status = server.status()
-    # A death is tried again (Note [Only deterministic failures are remembered] in overmind.registry),
+    # A death is tried again (Note [Only deterministic failures are remembered] in overmind.server.registry),
     # up to MAX_DEATHS in a row: the three calls start at most three loads.
     assert server.proc.poll() is None and status["entries"] == 0 and 1 <= status["misses"] <= 3, status
     assert all(z["alive"] for z in status["loaders"]), status["loaders"]  # only the forked child died

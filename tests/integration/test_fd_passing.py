@@ -13,10 +13,11 @@ import json, os
 import overmind.api
 overmind.api.monkey_patch_all()
 import safetensors.torch
-from overmind import client, protocol as P
-from overmind.calls import Target, encode_call
-from overmind.config import Config
-from overmind.reductions import unpack
+from overmind.client import connection as client
+from overmind.shared import protocol as P
+from overmind.shared.calls import Target, encode_call
+from overmind.shared.config import Config
+from overmind.shared.reductions import unpack
 
 safetensors.torch.load_file({path!r})  # strict + wait: the entry exists afterwards
 config = Config.from_env()

@@ -29,7 +29,7 @@ print(json.dumps(digests))
 def _save_version(path, version: int) -> str:
     weights = torch.randn(64, 64, generator=torch.Generator().manual_seed(version))
     save_file({"w": weights}, path)
-    # A distinct mtime in the past: not 'racy' (overmind.calls Note [Racy files]) and never equal
+    # A distinct mtime in the past: not 'racy' (overmind.shared.calls Note [Racy files]) and never equal
     # to an earlier version's, as a real save a while ago would be.
     stamp = time.time() - 1000 + version
     os.utime(path, (stamp, stamp))

@@ -31,11 +31,11 @@ RACE = r"""
 import json, os, sys
 import torch
 from transformers import LlamaForCausalLM
-from overmind import protocol as P
-from overmind.cache import _rebuild, context as _context
-from overmind.calls import Target, encode_call
-from overmind.client import Connection, SegmentChanged, _slot_handles
-from overmind.config import Config
+from overmind.shared import protocol as P
+from overmind.client.cache import _rebuild, context as _context
+from overmind.shared.calls import Target, encode_call
+from overmind.client.connection import Connection, SegmentChanged, _slot_handles
+from overmind.shared.config import Config
 
 path_a, path_b, rounds, via = ARGS
 config = Config.from_env()
@@ -81,7 +81,7 @@ with Connection.open(config) as conn, Connection.open(config, role="cli") as adm
         except SegmentChanged as err:
             results.append({"outcome": "refused", "same_numbers": same_numbers, "why": str(err)})
             continue
-        from overmind.reductions import unpack
+        from overmind.shared.reductions import unpack
         got = weights(unpack(skeleton, mappings))
         results.append({"outcome": "a" if got == plain["a"] else "b" if got == plain["b"] else "garbage",
                         "same_numbers": same_numbers})

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from overmind import protocol as P
+from overmind.shared import protocol as P
 
 from ..conftest import REPO, child_env
 from .conftest import ServerProcess, last_json
@@ -51,7 +51,7 @@ def _handshake(server) -> socket.socket:
 @pytest.mark.parametrize("setting", ["OVERMIND_TIMEOUT=abc", "OVERMIND_MAX_MEMORY=lots", "OVERMIND_WORKERS=-1",
                                      "OVERMIND_COLD=maybe", "OVERMIND_LOG_LEVEL=LOUD"])
 def test_a_malformed_setting_falls_back_with_one_warning_and_strict_raises(server, models, setting):
-    # Note [A bad setting never stops a script] in overmind.config: plain loads, one warning
+    # Note [A bad setting never stops a script] in overmind.shared.config: plain loads, one warning
     # naming the variable and what it accepts.
     name, value = setting.split("=")
     code = LM + '''
@@ -103,7 +103,7 @@ def test_a_server_logs_a_bad_yes_no_value_and_starts(runtime_dir):
     server = ServerProcess(runtime_dir, {"OVERMIND_STRICT": "banana"})
     try:
         assert server.status()["pid"] == server.pid
-        assert "WARNING overmind.server" in server.log() and "OVERMIND_STRICT='banana'" in server.log()
+        assert "WARNING overmind.server.daemon" in server.log() and "OVERMIND_STRICT='banana'" in server.log()
     finally:
         server.stop()
 
@@ -282,7 +282,7 @@ def test_stalled_blobs_and_oversized_keys_cost_the_server_bounded_memory(server)
 
 
 def test_connections_past_the_cap_are_refused_busy_and_the_server_keeps_serving(server):
-    from overmind.server import MAX_CONNECTIONS
+    from overmind.server.daemon import MAX_CONNECTIONS
 
     held = []
     try:

@@ -1,5 +1,5 @@
 """``overmind run`` sees the settings plain python would, whatever the warm interpreter's imports
-read from the environment (Note [Settings an import read] in overmind.import_env).
+read from the environment (Note [Settings an import read] in overmind.shared.import_env).
 
 Real server, real front end, real torch; and a real installed module of our own.
 """

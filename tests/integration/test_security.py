@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from overmind import protocol as P
-from overmind.config import ConfigError, ensure_private_dir
+from overmind.shared import protocol as P
+from overmind.shared.config import ConfigError, ensure_private_dir
 
 from ..conftest import REPO, child_env, run_python
 
@@ -262,7 +262,7 @@ def test_server_refuses_a_peer_of_another_uid_by_its_credentials(server):
 # answers every load with a skeleton that runs code when unpickled.
 FOREIGN_SERVER = """
 import os, pickle, socket, sys
-from overmind import protocol as P
+from overmind.shared import protocol as P
 path, marker, claimed_uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
 class Payload:

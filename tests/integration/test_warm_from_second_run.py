@@ -1,8 +1,8 @@
 """The second run is warm: prefetch of what a program loaded last time, imports taught while
 the first run imports, and a caller that joins a fill instead of loading plainly.
 
-Note [Prefetch] in overmind.prefetch, Note [Teaching the interpreter while importing] there,
-Note [Joining a fill] in overmind.cold_loads. Real server, real scripts run as fresh processes.
+Note [Prefetch] in overmind.client.prefetch, Note [Teaching the interpreter while importing] there,
+Note [Joining a fill] in overmind.server.cold_loads. Real server, real scripts run as fresh processes.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import overmind.api
 overmind.api.monkey_patch_all()
 import xml.dom.minidom  # an installed module the warm interpreter lacks: taught while importing
 from safetensors.torch import load_file
-from overmind import prefetch
+from overmind.client import prefetch
 
 deadline = time.monotonic() + 30
 while prefetch.stats["prepared"] == 0 and time.monotonic() < deadline and len(sys.argv) > 2:

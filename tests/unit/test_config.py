@@ -1,4 +1,4 @@
-"""overmind.config: every bad OVERMIND_* value is named with what is accepted, and never raises
+"""overmind.shared.config: every bad OVERMIND_* value is named with what is accepted, and never raises
 where a script reads it (Note [A bad setting never stops a script]). Each case runs in a fresh
 interpreter: a bad value is told once per process, so a process is the unit that counts."""
 
@@ -15,7 +15,7 @@ import json, warnings
 warnings.simplefilter("always")
 caught = []
 warnings.showwarning = lambda message, category, *a, **k: caught.append(f"{{category.__name__}}: {{message}}")
-from overmind import config
+from overmind.shared import config
 values = [{call} for _ in range(3)]  # read three times: told once
 print(json.dumps({{"values": values, "warnings": caught}}))
 """
@@ -69,7 +69,7 @@ def test_bad_patch_points_are_left_out_with_one_warning_each_and_the_good_ones_k
     ("OVERMIND_WARM_MEMORY", "0%", "40G, 512M, 60%"),
 ])
 def test_a_bad_value_is_a_config_error_naming_the_variable_and_what_is_accepted(name, value, accepted):
-    from overmind.config import Config, ConfigError
+    from overmind.shared.config import Config, ConfigError
 
     with pytest.raises(ConfigError) as err:
         Config.from_env({name: value})
@@ -77,7 +77,7 @@ def test_a_bad_value_is_a_config_error_naming_the_variable_and_what_is_accepted(
 
 
 def test_every_bad_value_is_named_at_once_and_good_values_are_read_in_any_case():
-    from overmind.config import Config, ConfigError
+    from overmind.shared.config import Config, ConfigError
 
     with pytest.raises(ConfigError) as err:
         Config.from_env({"OVERMIND_COLD": "maybe", "OVERMIND_LOG_LEVEL": "LOUD", "OVERMIND_WORKERS": "-1"})
@@ -87,7 +87,7 @@ def test_every_bad_value_is_named_at_once_and_good_values_are_read_in_any_case()
 
 
 def test_the_server_gets_bad_yes_no_values_as_notes_to_log_not_as_warnings():
-    from overmind.config import Config
+    from overmind.shared.config import Config
 
     notes: list[str] = []
     config = Config.from_env({"OVERMIND_STRICT": "banana"}, notes=notes)
@@ -95,7 +95,7 @@ def test_the_server_gets_bad_yes_no_values_as_notes_to_log_not_as_warnings():
 
 
 def test_the_environment_that_selects_an_interpreter_leaves_a_terminals_own_variables_out():
-    from overmind.config import selecting_environment
+    from overmind.shared.config import selecting_environment
 
     env = {"TORCH_HOME": "/t", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "/p", "OMP_NUM_THREADS": "2",
            "DISPLAY": ":0", "SSH_TTY": "/dev/pts/1", "TERM": "xterm", "MY_SCRIPT_FLAG": "x"}

@@ -1,7 +1,7 @@
 """The deployment files (deploy/*.yaml, systemd/overmind-hugepages.conf) agree with the code.
 
-Each test reads a setting the code relies on (an environment variable overmind.config
-reads, the sysfs file overmind.hugepages reads, the console script pyproject installs,
+Each test reads a setting the code relies on (an environment variable overmind.shared.config
+reads, the sysfs file overmind.shared.hugepages reads, the console script pyproject installs,
 the uid the server accepts) and checks the example against it, running the examples' own
 shell scripts and server command against temp paths where they can run here.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from overmind import config, hugepages
-from overmind.config import Config, ensure_private_dir
-from overmind.registry import parse_size
+from overmind.shared import config, hugepages
+from overmind.shared.config import Config, ensure_private_dir
+from overmind.shared.config import parse_size
 
 from ..conftest import REPO, child_env
 
@@ -93,7 +93,7 @@ def test_every_overmind_variable_the_examples_set_is_one_overmind_config_reads(d
         names = [n for n in _env(container) if n.startswith("OVERMIND_")]
         assert names
         for name in names:
-            assert f'"{name}"' in source, f"{name} is not a setting of overmind.config"
+            assert f'"{name}"' in source, f"{name} is not a setting of overmind.shared.config"
 
 
 def test_server_and_pods_name_the_same_host_directory_as_their_runtime_dir(daemonset, pod):
@@ -142,9 +142,9 @@ def test_server_command_is_the_installed_console_script_and_serves_the_pods_sock
     # The console scripts pip installed from pyproject's [project.scripts] (what an image has).
     scripts = {ep.name: ep.value for ep in metadata.distribution("overmind").entry_points
                if ep.group == "console_scripts"}
-    assert scripts[command[0]] == "overmind.server:main"
+    assert scripts[command[0]] == "overmind.server.daemon:main"
     probe = server["readinessProbe"]["exec"]["command"]
-    assert scripts[probe[0]] == "overmind.run:command" and probe[1:] == ["status", "--json"]
+    assert scripts[probe[0]] == "overmind.frontend.run:command" and probe[1:] == ["status", "--json"]
     bin_dir = Path(sys.executable).parent
     runtime_dir = Path(tempfile.mkdtemp(prefix="om-deploy-", dir="/tmp"))  # short: AF_UNIX paths
     try:

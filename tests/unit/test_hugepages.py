@@ -1,4 +1,4 @@
-"""overmind.hugepages reads the kernel's shmem huge-page setting and counters.
+"""overmind.shared.hugepages reads the kernel's shmem huge-page setting and counters.
 
 Each test writes a small sysfs/proc tree in the kernel's own format under a temp root, so
 every setting value is covered without changing this machine's (machine-global) setting.
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from overmind import hugepages
+from overmind.shared import hugepages
 
 KERNEL_VALUES = ("always", "within_size", "advise", "never", "deny", "force")  # as 6.x prints them
 SIZE_VALUES = ("always", "inherit", "within_size", "advise", "never")  # hugepages-<size>kB/shmem_enabled
@@ -132,7 +132,7 @@ def test_this_machine_reads_as_its_own_files_say():
 
 
 def test_status_text_when_off_says_why_what_it_costs_and_the_command(tmp_path):
-    from overmind.cli import _huge_page_lines
+    from overmind.frontend.cli import _huge_page_lines
 
     lines = _huge_page_lines(hugepages.read_status(make_root(tmp_path, "never", size_setting="inherit")))
     assert lines[0] == ("huge pages  off (shmem_enabled never): segments use 4 KiB pages; "
@@ -144,7 +144,7 @@ def test_status_text_when_off_says_why_what_it_costs_and_the_command(tmp_path):
 
 
 def test_status_text_when_on_is_one_line_with_the_bytes_and_names_an_overriding_size_setting(tmp_path):
-    from overmind.cli import _huge_page_lines
+    from overmind.frontend.cli import _huge_page_lines
 
     on = _huge_page_lines(hugepages.read_status(make_root(tmp_path / "a", "advise", huge_kb=2097152)))
     assert on == ["huge pages  on (shmem_enabled advise): 2.1 GB of shared memory in huge pages (machine-wide)"]
@@ -163,7 +163,7 @@ def test_a_top_level_deny_or_force_overrides_every_size_setting(tmp_path, settin
 
 
 def test_status_text_when_on_notes_a_cache_filled_before_huge_pages_were_on(tmp_path):
-    from overmind.cli import STALE_FILL_HINT_BYTES, _huge_page_lines
+    from overmind.frontend.cli import STALE_FILL_HINT_BYTES, _huge_page_lines
 
     none_huge = hugepages.read_status(make_root(tmp_path / "a", "advise"))
     assert "overmind evict --all" in _huge_page_lines(none_huge, 3_580_000_000)[-1]

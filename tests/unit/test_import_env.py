@@ -1,4 +1,4 @@
-"""Note [Settings an import read] in overmind.import_env: what recording sees, in a fresh interpreter."""
+"""Note [Settings an import read] in overmind.shared.import_env: what recording sees, in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 PROBE = """
 import json, os
-from overmind.import_env import Reads, recording
+from overmind.shared.import_env import Reads, recording
 os.environ.pop("IMPORT_ENV_ABSENT", None)
 os.environ["IMPORT_ENV_PRESENT"] = "yes"
 reads = Reads()

@@ -1,4 +1,4 @@
-"""Tests for overmind.patching.
+"""Tests for overmind.shared.patching.
 
 Every patching scenario runs in a fresh interpreter (as gevent's monkey tests do),
 so sys.modules, sys.meta_path and the patch registry start clean each time; the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from overmind.patching import PatchPoint, parse_patch_specs
+from overmind.shared.patching import PatchPoint, parse_patch_specs
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -55,8 +55,8 @@ def load_pipeline(path):
 
 PRELUDE = '''
 import functools, inspect, logging, sys, threading
-from overmind import patching
-from overmind.patching import PatchPoint
+from overmind.shared import patching
+from overmind.shared.patching import PatchPoint
 
 CALLS = []
 
@@ -438,7 +438,7 @@ def test_missing_attribute_warns_once_and_does_not_raise(fakelib: Path) -> None:
             records = []
             def emit(self, record):
                 self.records.append(record)
-        logging.getLogger("overmind.patching").addHandler(Collect())
+        logging.getLogger("overmind.shared.patching").addHandler(Collect())
         points = [P("fakelib.loaders::Base.nope"), P("fakelib.loaders::Missing.from_pretrained"),
                   P("fakelib.loaders::load")]
         patching.patch(points, factory)

@@ -15,13 +15,13 @@ import threading
 
 import pytest
 
-from overmind import protocol as P
+from overmind.shared import protocol as P
 
 # -- golden bytes ----------------------------------------------------------------------------
 
 HELLO_FRAME = (
     b"OVMD"  # magic
-    b"\x04\x00"  # protocol version 4
+    b"\x05\x00"  # protocol version 5
     b"\x01\x00"  # type 1: Hello
     b"\x40\x00\x00\x00"  # json_len 64
     b"\x00\x00\x00\x00\x00\x00\x00\x00"  # blob_len 0
@@ -32,7 +32,7 @@ LOAD_FIELDS = (b'{"context":{"cwd":"/"},"description":"f(1)","key":"k1","lookup_
                b'"modules":["torch"],"program":"p","refs":["r"],"target":"m:f","wait":false}')
 LOAD_FRAME = (
     b"OVMD"
-    b"\x04\x00"  # protocol version 4
+    b"\x05\x00"  # protocol version 5
     b"\x0a\x00"  # type 10: Load
     b"\x95\x00\x00\x00"  # json_len 149
     b"\x04\x00\x00\x00\x00\x00\x00\x00"  # blob_len 4 (the blob follows the frame, sent separately)
@@ -57,7 +57,7 @@ def test_header_layout_is_pinned():
     assert P.HEADER.format == "<4sHHIQ"
     assert P.HEADER.size == 20
     assert P.MAGIC == b"OVMD"
-    assert P.PROTOCOL_VERSION == 4
+    assert P.PROTOCOL_VERSION == 5
 
 
 def test_message_type_codes_never_change():

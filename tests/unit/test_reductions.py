@@ -1,4 +1,4 @@
-"""overmind.reductions: pickling through sealed segments, zero-copy and isolated."""
+"""overmind.shared.reductions: pickling through sealed segments, zero-copy and isolated."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 
-from overmind.reductions import pack, unpack
+from overmind.shared.reductions import pack, unpack
 
 from ..conftest import run_python
 
@@ -150,8 +150,8 @@ def test_rebuilding_a_1gb_model_does_not_copy_its_bytes():
     gc.collect()
     out = run_python(f"""
         import json, psutil, torch, ctypes
-        from overmind.memfd import Segment
-        from overmind.reductions import unpack
+        from overmind.shared.memfd import Segment
+        from overmind.shared.reductions import unpack
         skeleton = open({_dump_skeleton(packed)!r}, "rb").read()
         rss0 = psutil.Process().memory_info().rss
         mappings = {open_in_child(packed)}
@@ -207,8 +207,8 @@ def test_in_place_edits_are_invisible_to_other_rebuilds_and_processes():
     # ...and in another process, the segment still holds the original bytes.
     expected = sum(float(v.double().sum()) for v in reference.values())
     out = run_python(f"""
-        from overmind.memfd import Segment
-        from overmind.reductions import unpack
+        from overmind.shared.memfd import Segment
+        from overmind.shared.reductions import unpack
         skeleton = open({_dump_skeleton(packed)!r}, "rb").read()
         model = unpack(skeleton, {open_in_child(packed)})
         print(repr(sum(float(v.double().sum()) for v in model.state_dict().values())))
@@ -240,8 +240,8 @@ def test_real_models_give_bit_identical_outputs_in_a_fresh_process():
         torch.save({"inputs": inputs, "expected": expected}, f"{tmp}/io.pt")
         out = run_python(f"""
             import torch
-            from overmind.memfd import Segment
-            from overmind.reductions import unpack
+            from overmind.shared.memfd import Segment
+            from overmind.shared.reductions import unpack
             skeleton = open({_dump_skeleton(packed)!r}, "rb").read()
             models = unpack(skeleton, {open_in_child(packed)})
             data = torch.load("{tmp}/io.pt")
@@ -291,7 +291,7 @@ def test_meta_tensors_cannot_be_cached():
 
 
 class PackedContents:
-    """A ContentStore over the segments of earlier packs (what overmind.dedup gets from the server)."""
+    """A ContentStore over the segments of earlier packs (what overmind.warm.dedup gets from the server)."""
 
     def __init__(self, *packs) -> None:
         self.segments = [seg for p in packs for seg in p.segments]
@@ -312,7 +312,7 @@ class PackedContents:
 
 
 def test_contents_a_store_holds_are_referenced_not_copied_and_stay_distinct():
-    from overmind.reductions import DEDUP_MIN_BYTES
+    from overmind.shared.reductions import DEDUP_MIN_BYTES
 
     big = torch.randn(DEDUP_MIN_BYTES // 4)
     model = {"a": big, "twin": big.clone(), "other": torch.randn(DEDUP_MIN_BYTES // 4), "small": torch.ones(8)}
@@ -338,7 +338,7 @@ def test_contents_a_store_holds_are_referenced_not_copied_and_stay_distinct():
 
 
 def storage_table(packed) -> list:
-    from overmind.reductions import StorageRef
+    from overmind.shared.reductions import StorageRef
 
     return [StorageRef(*s) for s in pickle.loads(packed.skeleton)[1]]
 
@@ -349,7 +349,7 @@ LAYOUT_SIZES = [2 * MiB - 100_000, 3 * MiB, 60_000, 40 * MiB, 300_000, 3 * MiB, 
 
 
 def test_large_storages_start_on_huge_page_offsets_where_cheap_and_small_ones_fill_the_gaps_before_them():
-    from overmind.memfd import HUGE_PAGE
+    from overmind.shared.memfd import HUGE_PAGE
 
     tensors = [torch.full((n,), i + 1, dtype=torch.uint8) for i, n in enumerate(LAYOUT_SIZES)]
     packed = pack(tensors, writers=1)
@@ -374,8 +374,8 @@ def test_large_storages_start_on_huge_page_offsets_where_cheap_and_small_ones_fi
 def test_a_model_packed_where_huge_pages_are_possible_round_trips_in_whole_huge_pages(monkeypatch):
     """Note [Huge pages for segments]: where the setting allows huge pages, segments are sealed
     at whole 2 MiB and collapsed; forced here so that the path runs whatever this machine's setting."""
-    from overmind import memfd
-    from overmind.memfd import HUGE_PAGE, SEAL_ALL
+    from overmind.shared import memfd
+    from overmind.shared.memfd import HUGE_PAGE, SEAL_ALL
 
     monkeypatch.setattr(memfd, "huge_pages_possible", lambda: True)
     tensors = [torch.randn(n // 4) for n in (4096, 40 * MiB, 8 * MiB + 4, 1000 * 4, 30 * MiB)]

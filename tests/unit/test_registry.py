@@ -1,11 +1,11 @@
-"""overmind.registry: memory counted once per segment, and the content index loaders read."""
+"""overmind.server.registry: memory counted once per segment, and the content index loaders read."""
 
 from __future__ import annotations
 
 import os
 
-from overmind.memfd import Segment
-from overmind.registry import CacheEntry, Registry
+from overmind.shared.memfd import Segment
+from overmind.server.registry import CacheEntry, Registry
 
 
 def _sealed(nbytes: int) -> Segment:
@@ -59,8 +59,8 @@ def test_malformed_content_records_from_a_loader_are_dropped():
 
 # -- single flight and remembered failures (Note [Only deterministic failures are remembered]) ---
 
-from overmind import protocol as P  # noqa: E402
-from overmind import registry as R  # noqa: E402
+from overmind.shared import protocol as P  # noqa: E402
+from overmind.server import registry as R  # noqa: E402
 
 
 def _fail(registry: Registry, key: str, code: int, remember: bool, text: str = "boom") -> None:
@@ -150,7 +150,7 @@ def test_thousands_of_entries_list_over_a_real_socket():
 
 
 def test_a_programs_last_process_is_what_its_next_process_is_told():
-    from overmind.programs import MAX_KEYS, ProgramHistory
+    from overmind.server.programs import MAX_KEYS, ProgramHistory
 
     history = ProgramHistory()
     for key in ("a", "b", "a"):

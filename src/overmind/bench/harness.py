@@ -176,7 +176,7 @@ class BenchServer:
         import contextlib
         import io
 
-        from overmind.cli import main as cli_main
+        from overmind.frontend.cli import main as cli_main
 
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -193,9 +193,9 @@ class BenchServer:
 
     def wait_idle(self, timeout: float = JOB_TIMEOUT) -> dict:
         """Cold loads finish behind the caller (Note [Cold loads run behind the caller] in
-        overmind.cold_loads): the next run must not share the machine with a cache fill, nor with
+        overmind.server.cold_loads): the next run must not share the machine with a cache fill, nor with
         a loader still rebuilding its segments out of huge pages (Note [Huge pages for segments]
-        in overmind.memfd), and a warm load measures the segments as they stay."""
+        in overmind.shared.memfd), and a warm load measures the segments as they stay."""
         deadline = time.monotonic() + timeout
         while True:
             status = self.status()

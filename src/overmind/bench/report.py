@@ -402,7 +402,7 @@ def format_tables(doc: dict) -> str:
 
 
 def _shmem_line(settings: dict) -> str:
-    from overmind.hugepages import ALLOWING
+    from overmind.shared.hugepages import ALLOWING
 
     value = settings["shmem_enabled"]
     if settings["shmem_enabled_runs"]:

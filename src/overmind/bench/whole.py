@@ -46,7 +46,7 @@ mode]).
 
 Note [Quiet between runs]
 After a run, the server may still be busy for seconds: a warm interpreter imports the modules
-the run reported (Note [Warm interpreters learn] in overmind.zygote), a new context's
+the run reported (Note [Warm interpreters learn] in overmind.warm.interpreter), a new context's
 interpreter imports torch. On a small machine that work would compete with the next timed
 process, so before each run the server's process tree must have used (almost) no CPU for a
 second. The first run of a new context measures the opposite case on purpose: its
@@ -178,7 +178,7 @@ def script_source(name: str, paths: dict) -> str:
 def front_end() -> list[str]:
     """``overmind run`` as this interpreter's venv has it."""
     front = Path(sys.executable).with_name("overmind")
-    return [str(front), "run"] if front.exists() else [sys.executable, "-m", "overmind.run"]
+    return [str(front), "run"] if front.exists() else [sys.executable, "-m", "overmind.frontend.run"]
 
 
 def script_files(script: Script, paths: dict) -> list[Path]:

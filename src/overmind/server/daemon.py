@@ -1,0 +1,516 @@
+"""overmind-server: the daemon that owns the cache. Standard library only.
+
+    overmind-server --foreground          # log to stderr and the runtime dir
+    overmind-server --daemon              # detach; prints the readiness line, then returns
+    python -m overmind.server
+
+It listens on ``<runtime dir>/server.sock`` (a 0700 directory), checks every peer
+with ``SO_PEERCRED``, keeps a registry of entries (sealed segment fds + skeleton),
+and runs cold loads in loader processes (``overmind.warm.loader``). It never imports
+torch and never initialises CUDA: a CUDA context here would hold GPU memory for
+the life of the daemon.
+
+Note [Server owns segment fds]
+An entry's segments are the fds the loader sent over ``SCM_RIGHTS``; the server
+holds them until eviction and closes them then. Clients open their own fds through
+``/proc/<server pid>/fd/<n>`` (or receive duplicates), map ``MAP_PRIVATE`` and
+close the fd at once, so eviction frees the pages when the last client unmaps
+(DESIGN invariant 2). Nothing ever writes, punches or reuses a segment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+from overmind import __version__
+from overmind.shared import protocol as P
+from overmind.shared.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
+                             write_runtime_file)
+from overmind.server.cold_loads import MAX_TEXT, ColdLoads, reply_error
+from overmind.server.pool import LoaderPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
+from overmind.server.programs import ProgramHistory
+from overmind.server.registry import Registry
+
+logger = logging.getLogger("overmind.server.daemon")
+
+__all__ = ["Server", "main"]
+
+# A client's only blob is a pickled call (paths, configs, entry references): kilobytes. The
+# protocol's MAX_BLOB is sized for skeletons; a client claiming that much must not make the
+# server allocate it (Note [Frames are untrusted] in overmind.shared.protocol).
+MAX_REQUEST_BLOB = 64 << 20
+
+# Note [Every peer is bounded]
+# A peer of our own uid can still be buggy or hostile; none may make the server grow
+# without bound or stop serving others. Connections are capped (past the cap a new one gets
+# BUSY and is closed); the handshake must arrive within HANDSHAKE_TIMEOUT; a frame, once
+# started, must be complete within FRAME_TIMEOUT and its blob is allocated as its bytes
+# arrive; a connection idle for IDLE_TIMEOUT is closed (clients reconnect transparently);
+# request fields are bounded (keys, descriptions, lists); loads in flight are capped by the
+# registry, and remembered failures are few and short (Note [Only deterministic failures are
+# remembered] in overmind.server.registry).
+MAX_CONNECTIONS = 256
+HANDSHAKE_TIMEOUT = 5.0
+FRAME_TIMEOUT = 30.0
+IDLE_TIMEOUT = 600.0
+SOCKET_CHECK_INTERVAL = 0.5
+HOUSEKEEPING_INTERVAL = 10.0  # warm interpreters: idle time and memory (LoaderPool.housekeeping)
+PEER_ROLES = ("client", "cli", "run")  # what Hello.role says; a loader never connects (Note [The loader is handed its references] in overmind.server.cold_loads)
+
+class AlreadyRunning(ConfigError):
+    """Another server owns this runtime dir (exit status EXIT_ALREADY_RUNNING)."""
+
+
+EXIT_ALREADY_RUNNING = 75  # systemd: RestartPreventExitStatus=75
+
+
+class Server:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.registry = Registry(config.max_memory)
+        self.uid = os.getuid()
+        self.started = time.time()
+        self.stopping = threading.Event()
+        self.listener: Optional[socket.socket] = None
+        self.loaders = LoaderPool(config)
+        self.active = 0  # requests being served
+        self.connections = 0  # connection threads alive: Note [Every peer is bounded]
+        self.peers: dict[str, int] = {}  # handshakes by the role the peer gave (one of PEER_ROLES, or "other")
+        self.active_lock = threading.Lock()
+        self.refused = 0
+        self.busy_refusals = 0
+        self.socket_id: Optional[tuple[int, int]] = None
+        self.socket_rebinds = 0
+        self.runs = 0
+        self.history = ProgramHistory()  # Note [Prefetch] in overmind.client.prefetch
+        self.loads = ColdLoads(config, self.registry, self.loaders, self.history)
+
+    # -- lifecycle: startup -> serve -> shutdown ------------------------------------
+
+    def startup(self) -> None:
+        ensure_private_dir(self.config.runtime_dir)
+        path = self.config.socket_path
+        # Note [One server per runtime directory]
+        # The instance lock is held for the process's life and released by the kernel on death,
+        # so a stale socket file can be replaced safely, shutdown never removes another's socket,
+        # and a client or the CLI can tell "a server runs here" even when its socket is gone.
+        fd = open_runtime_file(self.config.instance_lock_path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise AlreadyRunning(f"another overmind-server is already running in {self.config.runtime_dir}") from None
+        self.instance_lock = fd
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+            raise AlreadyRunning(f"another overmind-server is already listening on {path}")
+        except (FileNotFoundError, ConnectionRefusedError):
+            pass
+        finally:
+            probe.close()
+        self._bind()
+        write_runtime_file(self.config.pid_path, f"{os.getpid()}\n")
+
+    def _bind(self) -> None:
+        """Listen on a new socket file at the socket path (replacing whatever is there)."""
+        path = self.config.socket_path
+        try:
+            path.unlink()  # a stale socket, or a planted file or link: removed, never followed
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket file itself is 0600 too
+        try:
+            listener.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        listener.listen(128)
+        listener.settimeout(SOCKET_CHECK_INTERVAL)
+        st = os.lstat(path)
+        old, self.listener, self.socket_id = self.listener, listener, (st.st_dev, st.st_ino)
+        if old is not None:
+            old.close()
+
+    def _check_socket(self) -> None:
+        """Note [A lost socket is replaced]: someone deleted or replaced our socket file (a tmp
+        cleaner, a careless ``rm``). Unreachable, we would hold the cache while every client
+        loads plainly and tries to start another server; so we bind a new one."""
+        try:
+            st = os.lstat(self.config.socket_path)
+            if (st.st_dev, st.st_ino) == self.socket_id:
+                return
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            logger.warning("cannot check %s: %s", self.config.socket_path, err)
+            return
+        logger.warning("socket %s was removed or replaced; listening on a new one", self.config.socket_path)
+        try:
+            self._bind()
+            self.socket_rebinds += 1
+        except OSError as err:
+            logger.error("cannot listen on %s again: %s", self.config.socket_path, err)
+
+    def serve(self) -> None:
+        assert self.listener is not None
+        last_check = last_housekeeping = time.monotonic()
+        while not self.stopping.is_set():
+            if time.monotonic() - last_check >= SOCKET_CHECK_INTERVAL:
+                last_check = time.monotonic()
+                self._check_socket()
+                if time.monotonic() - last_housekeeping >= HOUSEKEEPING_INTERVAL:
+                    last_housekeeping = time.monotonic()
+                    threading.Thread(target=self.loaders.housekeeping, daemon=True, name="overmind-housekeeping").start()
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self.stopping.is_set():
+                    break
+                raise
+            with self.active_lock:
+                admitted = self.connections < MAX_CONNECTIONS
+                if admitted:
+                    self.connections += 1
+                else:
+                    self.busy_refusals += 1
+            if not admitted:
+                with conn:
+                    conn.settimeout(1.0)
+                    reply_error(conn, P.ErrorCode.BUSY, f"more than {MAX_CONNECTIONS} connections")
+                continue
+            try:
+                threading.Thread(target=self._handle, args=(conn,), daemon=True, name="overmind-conn").start()
+            except RuntimeError:  # cannot start a thread: out of resources; this peer goes unserved
+                conn.close()
+                with self.active_lock:
+                    self.connections -= 1
+
+    def shutdown(self, grace: float = 10.0) -> None:
+        self.stopping.set()
+        if self.listener is not None:
+            try:
+                self.listener.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            with self.active_lock:
+                if self.active == 0:
+                    break
+            time.sleep(0.05)
+        self.loaders.close()
+        self.registry.clear()
+        try:
+            st = os.lstat(self.config.socket_path)
+            if (st.st_dev, st.st_ino) == self.socket_id:
+                self.config.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+        if read_runtime_file(self.config.pid_path).strip() == str(os.getpid()):
+            try:
+                self.config.pid_path.unlink()
+            except FileNotFoundError:
+                pass
+        logger.info("overmind-server stopped")
+
+    # -- connections ---------------------------------------------------------------
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            self._serve_connection(conn)
+        finally:
+            with self.active_lock:
+                self.connections -= 1
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                pid, uid, _ = P.peer_credentials(conn)
+            except OSError:
+                return
+            if uid != self.uid:
+                self.refused += 1
+                logger.warning("refused connection from pid %d uid %d (server uid %d)", pid, uid, self.uid)
+                reply_error(conn, P.ErrorCode.PERMISSION_DENIED, "overmind-server serves only its own user")
+                return
+            conn.settimeout(HANDSHAKE_TIMEOUT)  # Note [Every peer is bounded]
+            try:
+                hello, _, fds = P.recv_message(conn, max_blob=0, frame_timeout=HANDSHAKE_TIMEOUT)
+                P.close_fds(fds)
+                if not isinstance(hello, P.Hello):
+                    raise P.ProtocolError(f"expected Hello, got {type(hello).__name__}")
+                role = hello.role if hello.role in PEER_ROLES else "other"
+                with self.active_lock:
+                    self.peers[role] = self.peers.get(role, 0) + 1
+                if hello.version != P.PROTOCOL_VERSION:
+                    reply_error(conn, P.ErrorCode.VERSION_MISMATCH,
+                                      f"client speaks protocol {hello.version}, server speaks {P.PROTOCOL_VERSION}")
+                    return
+                P.send_message(conn, P.Welcome(P.PROTOCOL_VERSION, os.getpid(), __version__, self.uid))
+                while not self.stopping.is_set():
+                    conn.settimeout(IDLE_TIMEOUT)
+                    try:
+                        message, blob, fds = P.recv_message(conn, max_blob=MAX_REQUEST_BLOB,
+                                                            frame_timeout=FRAME_TIMEOUT)
+                    except socket.timeout:
+                        return  # idle: the client reconnects when it needs us again
+                    if not isinstance(message, P.Run):
+                        P.close_fds(fds)  # only a run brings fds: its stdio
+                        fds = []
+                    conn.settimeout(FRAME_TIMEOUT)  # replies to a peer that stopped reading give up too
+                    with self.active_lock:
+                        self.active += 1
+                    try:
+                        if isinstance(message, P.Run):
+                            if self._run(conn, message, fds, pid):
+                                return  # the warm interpreter has the connection now
+                        else:
+                            self._dispatch(conn, message, blob, pid)
+                    finally:
+                        del blob
+                        with self.active_lock:
+                            self.active -= 1
+            except EOFError:
+                pass
+            except P.VersionMismatch as err:
+                logger.warning("closing connection from pid %d: %s", pid, err)
+                reply_error(conn, P.ErrorCode.VERSION_MISMATCH, str(err))
+            except (P.ProtocolError, socket.timeout) as err:
+                logger.warning("closing connection from pid %d: %s", pid, str(err)[:300])
+                reply_error(conn, P.ErrorCode.BAD_REQUEST, str(err)[:MAX_TEXT])
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            except Exception:  # never let one connection take the server down
+                logger.exception("internal error serving pid %d", pid)
+
+    def _dispatch(self, conn: socket.socket, message: P.Message, blob: bytes, pid: int) -> None:
+        if isinstance(message, P.Load):
+            self.loads.load(conn, message, blob, pid)
+        elif isinstance(message, P.GetFds):
+            self.loads.send_fds(conn, message)
+        elif isinstance(message, P.GetContents):
+            index = self.registry.content_index()
+            P.send_message(conn, P.Contents(len(index["regions"])), json.dumps(index).encode())
+        elif isinstance(message, P.Status):
+            P.send_message(conn, P.StatusReply(self.status()))
+        elif isinstance(message, P.ListEntries):
+            entries = self.registry.summaries()
+            P.send_message(conn, P.EntryList(len(entries)), json.dumps(entries).encode())
+        elif isinstance(message, P.Evict):
+            keys = self.registry.keys() if message.all else self.registry.match(message.key) if message.key else []
+            if not message.all and len(keys) > 1:
+                return reply_error(conn, P.ErrorCode.BAD_REQUEST,
+                                         f"{message.key!r} matches {len(keys)} entries; give more of the key")
+            P.send_message(conn, P.Evicted(self.registry.evict(keys)))
+        elif isinstance(message, P.Prepare):
+            try:
+                context, _, _ = context_from_wire(message.context)
+                modules = ColdLoads.check_modules(message.modules)
+            except LoadFailure as failure:
+                return reply_error(conn, failure.code, failure.message)
+            threading.Thread(target=self.loaders.prepare, args=(context, modules), daemon=True,
+                             name="overmind-prepare").start()
+            P.send_message(conn, P.Ok())
+        elif isinstance(message, P.PlainLoaded):  # no answer: the client does not wait for one
+            self.loads.plain_loaded(message)
+        elif isinstance(message, P.Prefetch):
+            self.loads.prefetch(conn, message, pid)
+        elif isinstance(message, P.Shutdown):
+            P.send_message(conn, P.Ok())
+            logger.info("shutdown requested by pid %d", pid)
+            threading.Thread(target=lambda: os.kill(os.getpid(), signal.SIGTERM), daemon=True).start()
+        else:
+            raise P.ProtocolError(f"unexpected {type(message).__name__} from a client")
+
+    def _run(self, conn: socket.socket, message: P.Run, fds: list[int], pid: int) -> bool:
+        """``overmind run``: hand the connection and the caller's stdio to a warm interpreter.
+        True once handed over; else the front end got RunRefused and runs plainly."""
+        try:
+            if len(fds) != 3:
+                raise RunRefused(f"a run brings its stdin, stdout and stderr, not {len(fds)} fds")
+            context, spec = run_from_wire(message.context, message.spec)
+            child = self.loaders.fork_run(context, spec, [*fds, conn.fileno()])
+        except (RunRefused, LoadFailure) as why:
+            reason = why.message if isinstance(why, LoadFailure) else str(why)
+            logger.info("run for pid %d goes plain: %s", pid, reason)
+            P.send_message(conn, P.RunRefused(reason[:MAX_TEXT]))
+            return False
+        finally:
+            P.close_fds(fds)
+        self.runs += 1
+        logger.info("run for pid %d forked as pid %d", pid, child)
+        return True
+
+    def status(self) -> dict:
+        info = {"pid": os.getpid(), "version": __version__, "uptime": time.time() - self.started,
+                **self.registry.counters(), "refused_connections": self.refused,
+                "busy_refusals": self.busy_refusals, "connections": self.connections, "peers": dict(self.peers),
+                "socket": str(self.config.socket_path), "socket_rebinds": self.socket_rebinds, "runs": self.runs,
+                "torch_imported": "torch" in sys.modules}
+        info["bytes"] = info["used"] = self.registry.used()
+        info["loaders"] = self.loaders.describe()
+        info["settling"] = self.loaders.settling  # Note [Huge pages for segments] in overmind.shared.memfd
+        info.update(self.loads.counters())  # Note [Joining a fill] in overmind.server.cold_loads
+        return info
+
+def _configure_logging(level: str, log_fd: int, foreground: bool) -> None:
+    """``level`` is one of overmind.shared.config.LOG_LEVELS, checked by Config.from_env."""
+    root = logging.getLogger("overmind")
+    root.setLevel(level)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    handler = logging.StreamHandler(os.fdopen(log_fd, "a", buffering=1))
+    handler.setFormatter(fmt)
+    root.addHandler(handler)
+    if foreground:
+        stream = logging.StreamHandler(sys.stderr)
+        stream.setFormatter(fmt)
+        root.addHandler(stream)
+
+
+def _refuse_to_start(err: ConfigError, log_fd: int) -> None:
+    """A bad setting or runtime directory: say so on stderr (whoever started us reads it: a
+    client that autostarts us, a unit's journal) and in the log when it could be opened (where
+    clients point), then exit: Note [A bad setting never stops a script] in overmind.shared.config."""
+    print(f"overmind-server: not starting: {err}", file=sys.stderr)
+    if log_fd >= 0:
+        _configure_logging("INFO", log_fd, foreground=False)
+        logger.error("not starting: %s", err)
+
+
+def _limit_malloc_arenas() -> None:
+    """Note [Few malloc arenas]: glibc gives each busy thread an arena of its own and keeps
+    what it freed there, so a burst of connection threads (Note [Every peer is bounded])
+    leaves tens of MiB behind for good. The server's threads mostly wait on sockets; two
+    arenas serve them as fast. A no-op where mallopt is missing (musl)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
+def _install_signals(server: Server) -> None:
+    def on_term(signum, frame):
+        if server.stopping.is_set():
+            logger.warning("second %s: exiting now", signal.Signals(signum).name)
+            os._exit(1)
+        logger.info("%s: shutting down (send it again to force)", signal.Signals(signum).name)
+        server.stopping.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+
+
+def _daemonize(ready_write: int) -> None:
+    """Double fork; the grandchild keeps ``ready_write`` to report readiness."""
+    if os.fork() > 0:
+        os._exit(0)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="overmind-server", description="The overmind model cache daemon.")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--foreground", action="store_true", help="stay attached; log to stderr too (default)")
+    mode.add_argument("--daemon", action="store_true", help="detach once ready")
+    parser.add_argument("--runtime-dir", help="socket/log directory (default: OVERMIND_RUNTIME_DIR, "
+                        "$XDG_RUNTIME_DIR/overmind, /tmp/overmind-<uid>)")
+    parser.add_argument("--workers", type=int, help="loads that run at once for different keys")
+    parser.add_argument("--max-memory", help="memory budget for cached models: 40G, 512M, 60%% (of RAM) or bytes; "
+                        "default OVERMIND_MAX_MEMORY, else 50%% of RAM. Least recently used entries are evicted.")
+    args = parser.parse_args(argv)
+    env = dict(os.environ)
+    if args.runtime_dir:
+        env["OVERMIND_RUNTIME_DIR"] = args.runtime_dir
+    if args.workers:
+        env["OVERMIND_WORKERS"] = str(args.workers)
+    if args.max_memory:
+        env["OVERMIND_MAX_MEMORY"] = args.max_memory
+    from overmind.shared.config import default_runtime_dir
+
+    paths = Config(default_runtime_dir(env))  # the runtime dir and log, before the settings are read
+    log_fd = -1
+    notes: list[str] = []  # bad yes/no values: logged once logging is set up
+    try:
+        ensure_private_dir(paths.runtime_dir)
+        # Note [Runtime files are opened, never followed] in overmind.shared.config; opened before
+        # detaching, so a refusal reaches the one who started us.
+        log_fd = open_runtime_file(paths.log_path, os.O_WRONLY | os.O_APPEND)
+        config = Config.from_env(env, notes=notes)
+    except ConfigError as err:
+        _refuse_to_start(err, log_fd)
+        return 2
+
+    ready_read = ready_write = -1
+    if args.daemon:
+        ready_read, ready_write = os.pipe()
+        pid = os.fork()
+        if pid > 0:  # the launcher: wait for the daemon's readiness line, print it, return
+            os.close(ready_write)
+            with os.fdopen(ready_read) as pipe:
+                line = pipe.read()
+            if line.startswith("error "):  # "error <exit status> <message>" from the daemon
+                _, status, message = line.rstrip("\n").split(" ", 2)
+                print(f"overmind-server: {message}", file=sys.stderr)
+                return int(status)
+            if not line:
+                print(f"overmind-server: failed to start; see {config.log_path}", file=sys.stderr)
+                return 1
+            print(line, end="", flush=True)
+            return 0
+        os.close(ready_read)
+        _daemonize(ready_write)
+
+    _configure_logging(config.log_level, log_fd, foreground=not args.daemon)
+    for note in notes:
+        logger.warning("%s", note)
+    _limit_malloc_arenas()
+    server = Server(config)
+    try:
+        server.startup()
+    except (ConfigError, OSError) as err:
+        logger.error("cannot start: %s", err)
+        status = EXIT_ALREADY_RUNNING if isinstance(err, AlreadyRunning) else 1
+        if ready_write >= 0:
+            os.write(ready_write, f"error {status} {err}\n".encode())
+        else:
+            print(f"overmind-server: {err}", file=sys.stderr)
+        return status
+    _install_signals(server)
+    line = f"overmind-server ready: pid {os.getpid()}, socket {config.socket_path}, version {__version__}\n"
+    logger.info(line.strip())
+    if ready_write >= 0:
+        os.write(ready_write, line.encode())
+        os.close(ready_write)
+    else:
+        print(line, end="", flush=True)
+    try:
+        server.serve()
+    finally:
+        server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""The server's cache entries, their memory accounting and budget. Standard library only.
+
+    registry = Registry(budget=parse_size("40G"))
+    evicted = registry.add(entry)        # least recently used entries go first
+    registry.get(key)                    # counts a hit
+
+Note [Memory is counted per segment]
+An entry's slots are fds of sealed memfds; the same segment can sit in several entries
+(an entry that references another's storages holds ``dup``\\ s of its fds). Memory is
+therefore counted per distinct segment (device, inode), once however many entries hold
+it; an entry *owns* the segments no other entry holds and *shares* the rest. Evicting
+an entry only closes its fds (Note [Server owns segment fds] in overmind.server.daemon): the
+kernel frees a segment when its last fd and last client mapping are gone.
+
+Note [Content index]
+Each entry lists the contents its loader hashed (Note [Stored once by content] in
+overmind.shared.reductions) as ``[digest, nbytes, slot, offset]``. :meth:`Registry.content_index`
+turns them into regions of live segments, named by (device, inode) and by an entry that
+holds the segment, with that entry's segment handles, so a loader can open the segment
+through ``/proc/<server>/fd`` and check it is that file. The index is built per cold load
+from the entries themselves and handed to its loader with the job: nothing to keep
+consistent on eviction (a segment evicted meanwhile cannot be opened: its bytes are copied).
+
+Note [Only deterministic failures are remembered]
+A load whose original loader raised will raise again: it is remembered for
+``FAILURE_TTL`` seconds, so later calls load plainly at once instead of paying a loader
+each. So is a result that cannot be rebuilt (Note [Results that cannot be rebuilt] in
+overmind.shared.quirks): the same call gives the same model, and no loader runs it again while
+remembered. A loader that *died* (the OOM killer, a signal, a timeout) says nothing about the
+next try, so the key is tried again; only after ``MAX_DEATHS`` deaths in a row is it
+remembered like a raise. At most ``MAX_FAILURES`` failures are kept (oldest dropped) with
+their text cut to ``MAX_REMEMBERED_TEXT``: a client sending unique failing keys costs the
+server bounded memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+from overmind.shared.config import memory_total
+
+logger = logging.getLogger("overmind.server.registry")
+
+__all__ = ["CacheEntry", "Registry", "Flight", "Reply", "Admission", "TooLarge", "default_budget", "FAILURE_TTL",
+           "MAX_FAILURES"]
+
+
+class TooLarge(Exception):
+    """An entry that alone exceeds the whole memory budget."""
+
+
+DEFAULT_BUDGET_SHARE = 0.5  # of RAM: room for the models, and for the processes that use them
+
+
+def default_budget() -> int:
+    return int(memory_total() * DEFAULT_BUDGET_SHARE)
+
+
+# Failures remembered at once (Note [Only deterministic failures are remembered]).
+MAX_FAILURES = 256
+FAILURE_TTL = 600.0
+MAX_REMEMBERED_TEXT = 16 << 10  # bytes of a failure's message and traceback kept
+# Loader deaths in a row after which a key is remembered as failing like a raise.
+MAX_DEATHS = 3
+
+
+class Flight:
+    """One load in progress; requests for the same key wait on it (single flight)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.entry: Optional[CacheEntry] = None
+        self.error = None  # an overmind.shared.protocol.Error once it failed
+
+
+@dataclass
+class Failure:
+    error: object  # overmind.shared.protocol.Error
+    when: float
+    deaths: int = 0  # loader deaths in a row; remembered only from MAX_DEATHS on
+
+
+@dataclass
+class CacheEntry:
+    key: str
+    target: str
+    description: str
+    skeleton: bytes
+    slots: list  # per segment slot: [fd, size] or None; see Note [Server owns segment fds]
+    nbytes: int  # bytes this entry's loader wrote
+    refs: list  # keys of entries whose segments this one also maps
+    meta: dict  # overmind.shared.protocol.LoadMeta, as sent
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    hits: int = 0
+    contents: list = field(default_factory=list)  # [[digest hex, nbytes, slot, offset]]: Note [Content index]
+    segments: list = field(default_factory=list)  # [(dev, ino, size)] of live slots: Note [Memory is counted per segment]
+    slot_ids: list = field(default_factory=list)  # (dev, ino) per slot, None for an empty slot
+
+    def __post_init__(self) -> None:
+        self.contents = [c for c in self.contents if isinstance(c, list) and len(c) == 4 and isinstance(c[0], str)
+                         and all(isinstance(v, int) for v in c[1:])]
+        for slot in self.slots:
+            if slot is None:
+                self.slot_ids.append(None)
+                continue
+            st = os.fstat(slot[0])
+            self.segments.append((st.st_dev, st.st_ino, st.st_size))
+            self.slot_ids.append((st.st_dev, st.st_ino))
+
+    def handles(self) -> list:
+        """Per slot ``[server fd, size, st_dev, st_ino]`` or None: what a client needs to open each
+        segment and to check it opened that segment (Note [A segment is opened by identity] in
+        overmind.client.connection). Called under the registry's lock, so no eviction closes an fd meanwhile."""
+        return [None if slot is None else [slot[0], slot[1], *ident] for slot, ident in zip(self.slots, self.slot_ids)]
+
+    def close(self) -> None:
+        for slot in self.slots:
+            if slot is not None:
+                try:
+                    os.close(slot[0])
+                except OSError:
+                    pass
+        self.slots = [None for _ in self.slots]
+
+    def fresh(self) -> bool:
+        """Do the files the loader read still have the size, mtime, inode, device and ctime it
+        saw? The ctime catches a rewrite in place with the mtime put back (Note [What a
+        fingerprint cannot see] in overmind.shared.calls). A record of another shape is from a loader
+        that is not ours: stale, so the call loads again rather than trusting it."""
+        for record in self.meta.get("files", ()):
+            if not isinstance(record, list) or len(record) != 6 or not isinstance(record[0], str):
+                return False
+            path, size, mtime_ns, ino, dev, ctime_ns = record
+            try:
+                st = os.stat(path)
+            except (OSError, ValueError):  # ValueError: a NUL in the path
+                return False
+            if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns) != \
+                    (size, mtime_ns, ino, dev, ctime_ns):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a hit sends, copied under the registry's lock: the entry may be evicted right after."""
+
+    key: str
+    handles: list
+    nbytes: int
+    meta: dict
+    skeleton: bytes
+
+
+@dataclass
+class Admission:
+    """What :meth:`Registry.begin` decided for a request."""
+
+    reply: Optional[Reply] = None  # a hit
+    flight: Optional[Flight] = None  # a load in progress (``started``: this request must run it)
+    started: bool = False
+    failure: object = None  # overmind.shared.protocol.Error of a remembered failure
+    busy: bool = False  # too many loads in flight: nothing started, nothing remembered
+
+
+class Registry:
+    """Entries by key, LRU under a memory budget, single flight and remembered failures.
+
+    Owns every piece of entry state; its lock is its own (no caller takes it).
+    """
+
+    def __init__(self, budget: Optional[int] = None, max_flights: int = 64) -> None:
+        self._lock = threading.Lock()
+        self.budget = budget if budget is not None else default_budget()
+        self.max_flights = max_flights
+        self._entries: dict[str, CacheEntry] = {}
+        self._flights: dict[str, Flight] = {}
+        self._failures: "OrderedDict[str, Failure]" = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.stale = 0  # hits refused because a file the entry was loaded from changed
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def _fresh_entry(self, key: str) -> Optional[CacheEntry]:
+        """The entry for ``key`` if its files are unchanged; a stale one is evicted. The files
+        are stat-ed outside the lock: a slow filesystem must not stall every other request."""
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry.fresh():
+            return entry
+        with self._lock:
+            if self._entries.get(key) is not entry:
+                return self._entries.get(key)  # replaced meanwhile by a new load: that one is fresh
+            del self._entries[key]
+            self.stale += 1
+            self.evictions += 1
+        logger.info("stale %s: a file it read changed; loading again", key[:16])
+        entry.close()
+        return None
+
+    def _hit(self, entry: CacheEntry, count: bool = True) -> Optional[Reply]:
+        """Count a hit and copy what the reply needs; None if ``entry`` left the registry."""
+        with self._lock:
+            if self._entries.get(entry.key) is not entry:
+                return None
+            if count:
+                entry.hits += 1
+                self.hits += 1
+            entry.last_used = time.time()
+            return Reply(entry.key, entry.handles(), entry.nbytes, entry.meta, entry.skeleton)
+
+    def get(self, key: str) -> Optional[Reply]:
+        """A hit for ``key``, or None (Note [Observed files] in overmind.warm.loader)."""
+        entry = self._fresh_entry(key)
+        return None if entry is None else self._hit(entry)
+
+    def peek(self, key: str) -> Optional[list]:
+        """The segment handles of ``key``'s fresh entry, counting no hit (Note [Prefetch] in
+        overmind.client.prefetch: what a program is about to load)."""
+        entry = self._fresh_entry(key)
+        reply = None if entry is None else self._hit(entry, count=False)
+        return None if reply is None else reply.handles
+
+    def pinned(self, key: str) -> Optional[tuple[Reply, list[int]]]:
+        """A hit for ``key`` with duplicates of its live segments' fds, in slot order (the caller
+        closes them): what a loader gets of an entry its call refers to (Note [The loader is
+        handed its references] in overmind.server.cold_loads). None if there is no fresh entry."""
+        entry = self._fresh_entry(key)
+        if entry is None:
+            return None
+        with self._lock:
+            if self._entries.get(key) is not entry:
+                return None
+            entry.hits += 1
+            self.hits += 1
+            entry.last_used = time.time()
+            reply = Reply(entry.key, entry.handles(), entry.nbytes, entry.meta, entry.skeleton)
+            return reply, [os.dup(slot[0]) for slot in entry.slots if slot is not None]
+
+    def begin(self, key: str, lookup_only: bool = False) -> Admission:
+        """A hit, the flight to wait for (started by this request or another), or a remembered failure.
+
+        Past ``max_flights`` loads waiting or running, a new key starts nothing and is answered
+        as a failure that is not remembered: the caller loads plainly.
+        """
+        reply = self.get(key)
+        if reply is not None:
+            return Admission(reply=reply)
+        with self._lock:
+            entry = self._entries.get(key)  # a load finished since get()
+            if entry is None:
+                flight = self._flights.get(key)
+                if flight is not None:
+                    return Admission(flight=flight)
+                failure = self._failures.get(key)
+                if failure is not None and time.monotonic() - failure.when > FAILURE_TTL:
+                    del self._failures[key]
+                    failure = None
+                if failure is not None and failure.deaths in (0, MAX_DEATHS):
+                    return Admission(failure=failure.error)
+                if lookup_only:
+                    return Admission()
+                if len(self._flights) >= self.max_flights:
+                    return Admission(busy=True)
+                flight = self._flights[key] = Flight()
+                self.misses += 1
+                return Admission(flight=flight, started=True)
+        reply = self._hit(entry)
+        return Admission(reply=reply) if reply is not None else self.begin(key, lookup_only)
+
+    def finish(self, key: str, flight: Flight, *, remember: bool) -> None:
+        """End ``flight``: wake its waiters; remember its failure per
+        Note [Only deterministic failures are remembered]."""
+        with self._lock:
+            self._flights.pop(key, None)
+            if flight.error is None:
+                self._failures.pop(key, None)
+            else:
+                previous = self._failures.pop(key, None)
+                deaths = 0 if remember else min(MAX_DEATHS, (previous.deaths if previous else 0) + 1)
+                self._failures[key] = Failure(_trimmed(flight.error), time.monotonic(), deaths)
+                while len(self._failures) > MAX_FAILURES:
+                    self._failures.popitem(last=False)
+        flight.done.set()
+
+    def served_by_flight(self, flight: Flight, count: bool) -> Optional[Reply]:
+        """The reply for a request that waited for ``flight``; one that waited for another's load
+        counts as a hit (``count``), so hits + misses = requests. None if evicted already."""
+        return None if flight.entry is None else self._hit(flight.entry, count)
+
+    def remembered_failures(self) -> int:
+        with self._lock:
+            return len(self._failures)
+
+    def segment_fds(self, key: str) -> Optional[tuple[list[int], list[int]]]:
+        """(sizes, fds) of ``key``'s live segments; the fds are duplicates the caller must close,
+        taken under the lock so none of them can be another segment's by the time it is sent."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            live = [s for s in entry.slots if s is not None]
+            return [s[1] for s in live], [os.dup(s[0]) for s in live]
+
+    # -- membership ------------------------------------------------------------------------
+
+    def _holders(self) -> dict:
+        holders: dict = {}
+        for entry in self._entries.values():
+            for dev, ino, size in entry.segments:
+                holders.setdefault((dev, ino), [size, set()])[1].add(entry.key)
+        return holders
+
+    def used(self) -> int:
+        with self._lock:
+            return sum(size for size, _ in self._holders().values())
+
+    def add(self, entry: CacheEntry) -> list[str]:
+        """Insert ``entry``, evicting least recently used entries to stay within the budget.
+
+        Raises TooLarge (leaving the registry as it was) if the entry's own new bytes
+        exceed the whole budget.
+        """
+        with self._lock:
+            holders = self._holders()
+            new_bytes = sum(size for dev, ino, size in entry.segments if (dev, ino) not in holders)
+            if new_bytes > self.budget:
+                raise TooLarge(f"{new_bytes} bytes is more than the whole memory budget of {self.budget} bytes")
+            old = self._entries.pop(entry.key, None)
+            self._entries[entry.key] = entry
+            victims = []
+            while sum(size for size, _ in self._holders().values()) > self.budget:
+                candidates = [e for e in self._entries.values() if e is not entry]
+                if not candidates:
+                    break
+                victim = min(candidates, key=lambda e: e.last_used)
+                victims.append(self._entries.pop(victim.key))
+            self.evictions += len(victims)
+        if old is not None:
+            old.close()
+        for victim in victims:
+            victim.close()
+        return [v.key for v in victims]
+
+    def evict(self, keys: list[str]) -> list[str]:
+        with self._lock:
+            dropped = [self._entries.pop(k) for k in keys if k in self._entries]
+            self.evictions += len(dropped)
+        for entry in dropped:
+            entry.close()
+        return [e.key for e in dropped]
+
+    def clear(self) -> None:
+        self.evict(self.keys())
+
+    def match(self, prefix: str) -> list[str]:
+        with self._lock:
+            if prefix in self._entries:
+                return [prefix]
+            return [k for k in self._entries if k.startswith(prefix)]
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def counters(self) -> dict:
+        with self._lock:
+            return {"entries": len(self._entries), "hits": self.hits, "misses": self.misses,
+                    "evictions": self.evictions, "stale_misses": self.stale, "budget": self.budget,
+                    "loading": len(self._flights), "remembered_failures": len(self._failures)}
+
+    def content_index(self) -> dict:
+        """Regions of live segments by content, for loaders: Note [Content index]."""
+        with self._lock:
+            keys: list[str] = []
+            handles: list[list] = []
+            regions: list[list] = []
+            seen: set = set()
+            for entry in sorted(self._entries.values(), key=lambda e: e.last_used, reverse=True):
+                number, added = len(keys), False
+                for digest, nbytes, slot, offset in entry.contents:
+                    if not 0 <= slot < len(entry.slot_ids) or entry.slot_ids[slot] is None:
+                        continue
+                    dev, ino = entry.slot_ids[slot]
+                    if (dev, ino, offset) not in seen:
+                        seen.add((dev, ino, offset))
+                        regions.append([digest, nbytes, number, dev, ino, offset])
+                        added = True
+                if added:
+                    keys.append(entry.key)
+                    handles.append(entry.handles())
+            return {"keys": keys, "handles": handles, "regions": regions}
+
+    def summaries(self) -> list[dict]:
+        """Per entry: bytes owned and shared (Note [Memory is counted per segment]), hits, last use."""
+        with self._lock:
+            holders = self._holders()
+            out = []
+            for e in self._entries.values():
+                owned = sum(size for dev, ino, size in e.segments if len(holders[(dev, ino)][1]) == 1)
+                shared = sum(size for dev, ino, size in e.segments if len(holders[(dev, ino)][1]) > 1)
+                out.append({
+                    "key": e.key, "target": e.target, "description": e.description, "bytes": owned + shared,
+                    "bytes_owned": owned, "bytes_shared": shared, "skeleton_bytes": len(e.skeleton),
+                    "segments": len(e.segments), "hits": e.hits, "created": e.created, "last_used": e.last_used,
+                    "refs": e.refs, "meta": e.meta,
+                })
+            return out
+
+
+def _trimmed(error):
+    """A failure as remembered: its text bounded (Note [Only deterministic failures are remembered])."""
+    return type(error)(error.code, error.message[:MAX_REMEMBERED_TEXT], error.traceback[-MAX_REMEMBERED_TEXT:])

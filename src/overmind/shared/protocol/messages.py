@@ -1,0 +1,376 @@
+"""Every message type of the wire protocol, by the code it travels under. Standard library only.
+
+Codes never change (tests/unit/test_protocol.py pins them); a new message takes a new code.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from overmind.shared.protocol.base import Message, ProtocolError, message
+
+__all__ = ["Hello", "Welcome", "Error", "Load", "PlainLoaded", "Prefetch", "PrefetchReply", "Entry", "Pending", "GetFds", "Fds", "GetContents", "Contents", "Status", "StatusReply", "ListEntries", "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire", "LoaderReady", "Job", "JobStarted", "JobResult", "LoadMeta", "FillProgress", "JobFailed", "MESSAGE_TYPES"]
+
+
+@message
+class Hello(Message):
+    TYPE: ClassVar[int] = 1
+    version: int
+    pid: int
+    role: str  # "client", "cli" or "run" (the `overmind run` front end)
+    package_version: str = ""
+
+
+@message
+class Welcome(Message):
+    TYPE: ClassVar[int] = 2
+    version: int
+    server_pid: int
+    server_version: str
+    uid: int
+
+
+@message
+class Error(Message):
+    TYPE: ClassVar[int] = 3
+    code: int
+    message: str
+    traceback: str = ""
+
+
+@message
+class Load(Message):
+    """Get an entry, loading it on a miss. The blob is the pickled call (see overmind.client.connection)."""
+
+    TYPE: ClassVar[int] = 10
+    WITH_BLOB: ClassVar[bool] = True
+    key: str
+    target: str  # "module:qualname" of the original loader, for logs and listings
+    description: str  # a short human-readable form of the call
+    context: dict  # python, cwd, sys_path, env: where a loader must run
+    refs: list = []  # keys of entries the call refers to
+    lookup_only: bool = False  # never start a loader: NOT_FOUND on a miss
+    modules: list = []  # modules the call needs, learned by the warm interpreter for later loads
+    wait: bool = True  # on a miss, wait for the load; False: answer Pending at once
+    program: str = ""  # the calling program (script, cwd, interpreter): Note [Prefetch] in overmind.client.prefetch
+
+
+@message
+class PlainLoaded(Message):
+    """A client that got ``Pending`` ran the original itself, in ``seconds``; no answer. The
+    server weighs a later caller's wait for the fill against it (Note [Joining a fill] in overmind.server.cold_loads)."""
+
+    TYPE: ClassVar[int] = 17
+    key: str
+    seconds: float
+
+
+@message
+class Prefetch(Message):
+    """What ``program`` loaded last time: answered with ``PrefetchReply`` (Note [Prefetch])."""
+
+    TYPE: ClassVar[int] = 18
+    program: str
+
+
+@message
+class PrefetchReply(Message):
+    TYPE: ClassVar[int] = 19
+    server_pid: int
+    entries: list  # [[key, segments as in Entry.segments], ...], in the order they were loaded
+
+
+@message
+class Entry(Message):
+    """A cache entry: segment handles (server fds) and, in the blob, the skeleton."""
+
+    TYPE: ClassVar[int] = 11
+    WITH_BLOB: ClassVar[bool] = True
+    key: str
+    server_pid: int
+    # [[server fd, size, st_dev, st_ino], ...]; null for an unused slot. The fd number names the
+    # segment for opening; (st_dev, st_ino) is what it must turn out to be once opened
+    # (Note [A segment is opened by identity] in overmind.client.connection).
+    segments: list
+    nbytes: int
+    hit: bool
+    meta: dict = {}
+
+
+@message
+class Pending(Message):
+    """A miss the server is loading in the background (or failed to load recently)."""
+
+    TYPE: ClassVar[int] = 14
+    key: str
+    loading: bool
+    reason: str = ""  # why the entry cannot be had (a recent failure), empty while loading
+    code: int = 0  # that failure's ErrorCode
+    # The request asked to wait: the Entry or Error follows when the load ends. A client
+    # knows within its short reply bound that the server is alive, and waits long only now.
+    waiting: bool = False
+
+
+@message
+class GetFds(Message):
+    """Ask for an entry's segment fds over SCM_RIGHTS (when /proc/<pid>/fd is refused)."""
+
+    TYPE: ClassVar[int] = 12
+    key: str
+
+
+@message
+class Fds(Message):
+    TYPE: ClassVar[int] = 13
+    key: str
+    sizes: list  # one size per fd sent, in order
+
+
+@message
+class GetContents(Message):
+    """A loader asks which contents sealed segments already hold (Note [Stored once by content]
+    in overmind.shared.reductions)."""
+
+    TYPE: ClassVar[int] = 15
+
+
+@message
+class Contents(Message):
+    """The content index, as JSON in the blob: ``{"keys": [entry key, ...], "regions":
+    [[xxh3-128 hex, nbytes, key index, st_dev, st_ino, offset], ...]}``."""
+
+    TYPE: ClassVar[int] = 16
+    WITH_BLOB: ClassVar[bool] = True
+    regions: int
+
+
+@message
+class Status(Message):
+    TYPE: ClassVar[int] = 20
+
+
+@message
+class StatusReply(Message):
+    TYPE: ClassVar[int] = 21
+    info: dict
+
+
+@message
+class ListEntries(Message):
+    TYPE: ClassVar[int] = 22
+
+
+@message
+class EntryList(Message):
+    """The entries, as a JSON array in the blob (thousands of them exceed MAX_JSON as fields)."""
+
+    TYPE: ClassVar[int] = 23
+    WITH_BLOB: ClassVar[bool] = True
+    count: int
+
+
+@message
+class Evict(Message):
+    TYPE: ClassVar[int] = 24
+    key: str = ""  # a key or a unique prefix of one
+    all: bool = False
+
+
+@message
+class Evicted(Message):
+    TYPE: ClassVar[int] = 25
+    keys: list
+
+
+@message
+class Shutdown(Message):
+    TYPE: ClassVar[int] = 26
+
+
+@message
+class Ok(Message):
+    TYPE: ClassVar[int] = 27
+
+
+@message
+class Prepare(Message):
+    """Start a loader for this context now, so the first load does not wait for one."""
+
+    TYPE: ClassVar[int] = 28
+    context: dict
+    modules: list = []  # installed modules this client imported since it last said (Note [Warm interpreters learn])
+
+
+# -- overmind run: front end <-> server <-> warm interpreter ----------------------
+
+
+@message
+class Run(Message):
+    """Run a script in a child of a warm interpreter (``overmind run``). Carries three fds: the
+    front end's stdin, stdout and stderr. The server answers RunRefused, or hands the
+    connection to the warm interpreter, which answers RunStarted and, at the end, RunExited."""
+
+    TYPE: ClassVar[int] = 30
+    context: dict  # python, env: which warm interpreter (overmind.server.pool.Context)
+    spec: dict  # mode, target, argv, cwd, env, umask: what the child becomes (overmind.warm.child.become)
+
+
+@message
+class RunRefused(Message):
+    """No warm run now (none ready yet, a stale or unsafe interpreter): run plainly."""
+
+    TYPE: ClassVar[int] = 31
+    reason: str
+
+
+@message
+class RunStarted(Message):
+    TYPE: ClassVar[int] = 32
+    pid: int
+
+
+@message
+class RunExited(Message):
+    TYPE: ClassVar[int] = 33
+    status: int  # the raw wait status (os.waitstatus_to_exitcode reads it)
+
+
+# -- server <-> loader ---------------------------------------------------------
+
+
+@message
+class Warm(Message):
+    """The server's first message to a new warm interpreter: the installed modules to import
+    before it is ready (Note [Warm interpreters learn] in overmind.warm.loader)."""
+
+    TYPE: ClassVar[int] = 45
+    modules: list
+    refused: list = []  # never to import: they started a thread (Note [Forking past torch's thread])
+
+
+@message
+class Fork(Message):
+    """Fork a run. Carries four fds: stdin, stdout, stderr and the front end's connection."""
+
+    TYPE: ClassVar[int] = 46
+    spec: dict
+
+
+@message
+class Retire(Message):
+    """Stop forking; exit once every load and run in progress has finished."""
+
+    TYPE: ClassVar[int] = 47
+
+
+@message
+class LoaderReady(Message):
+    """A zygote loader finished importing and waits for jobs."""
+
+    TYPE: ClassVar[int] = 40
+    pid: int
+    imported: list
+    refused: list = []  # modules that started a thread when imported: never to be pre-imported again
+    environ: dict = {}  # names and prefixes its imports read (Note [Settings an import read] in overmind.shared.import_env)
+
+
+@message
+class Job(Message):
+    """Run one load in a forked child. Carries one fd: the child's end of the job socket."""
+
+    TYPE: ClassVar[int] = 41
+    WITH_BLOB: ClassVar[bool] = True
+    key: str
+    sys_path: list
+    cwd: str = "/"
+    modules: list = []  # the loader child imports them; the zygote learns them after the fork, for later jobs
+
+
+@message
+class JobStarted(Message):
+    TYPE: ClassVar[int] = 42
+    key: str
+    pid: int
+    modules: int = 0  # installed modules the interpreter holds now
+    learned: list = []  # installed modules runs imported that it did not hold (for its successor)
+    environ: dict = {}  # names and prefixes its imports read since it last said (overmind.shared.import_env)
+
+
+@message
+class JobResult(Message):
+    """The loader's answer: the skeleton in the blob, the new segments as fds."""
+
+    TYPE: ClassVar[int] = 43
+    WITH_BLOB: ClassVar[bool] = True
+    key: str
+    sizes: list  # one per fd sent, in order
+    slots: list  # segment slot of each fd (unused slots have no fd)
+    nslots: int
+    nbytes: int
+    refs: list  # keys of entries whose segments this one also maps (their fds come after its own)
+    meta: dict = {}
+
+
+@message
+class LoadMeta(Message):
+    """What a loader says about its result (``JobResult.meta``, ``Entry.meta``): versioned and
+    typed like a message, so the server, the registry, the client and the CLI read one schema.
+    Not a message type of its own (no ``TYPE``); :meth:`from_wire` validates it."""
+
+    VERSION: ClassVar[int] = 2
+    version: int = 2
+    type: str = ""  # module.qualname of the result
+    pickler: str = ""
+    storages: int = 0
+    tensors: int = 0
+    original_seconds: float = 0.0
+    pack_seconds: float = 0.0
+    load_seconds: float = 0.0  # set by the server: the whole fill, queueing included
+    sys_path_extra: list = []  # dynamic-module folders the client must add to sys.path
+    references: list = []  # keys of entries passed in and handed back unchanged
+    files: list = []  # [[path, size, mtime_ns, ino, dev, ctime_ns]]: Note [Observed files] in overmind.warm.loader
+    deduplicated: int = 0  # bytes referenced in other entries' segments instead of written
+    contents: list = []  # [[digest hex, nbytes, slot, offset]]: Note [Content index] in overmind.server.registry
+    # Note [Loads that draw random numbers] in overmind.shared.callstate: {} when the load drew none,
+    # else {"start": digest of the states it started from, "end": base64 of the states it left}.
+    rng: dict = {}
+    events: list = []  # warnings and log records to replay: Note [Replayed warnings and log records]
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "LoadMeta":
+        if not isinstance(data, dict) or data.get("version") != cls.VERSION:
+            raise ProtocolError(f"load metadata of version {data.get('version') if isinstance(data, dict) else None}, "
+                                f"expected {cls.VERSION}")
+        return cls.from_fields(data)
+
+
+@message
+class FillProgress(Message):
+    """A loader packing its result says how far it is, now and then, before its answer
+    (Note [Joining a fill] in overmind.server.cold_loads): bytes in place and the bytes it expects."""
+
+    TYPE: ClassVar[int] = 48
+    key: str
+    written: int
+    expected: int
+    original_seconds: float = 0.0  # its call of the original loader
+
+
+@message
+class JobFailed(Message):
+    TYPE: ClassVar[int] = 44
+    key: str
+    code: int
+    message: str
+    traceback: str = ""
+    refused: list = []  # a warm interpreter's modules that started a thread, for its successor
+    environ: dict = {}  # names and prefixes its imports read since it last said (overmind.shared.import_env)
+
+
+MESSAGE_TYPES: dict[int, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, GetContents, Contents, Status, StatusReply,
+                ListEntries, EntryList, Evict, Evicted, Shutdown, Ok, Prepare, Run, RunRefused, RunStarted, RunExited,
+                LoaderReady, Job, JobStarted, JobResult, FillProgress, JobFailed, Warm, Fork, Retire, PlainLoaded, Prefetch,
+                PrefetchReply)
+}

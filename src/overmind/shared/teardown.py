@@ -1,0 +1,95 @@
+"""Leaving the process: what a teardown must not skip, and nothing more. Stdlib only.
+
+    teardown.leave_quickly()            # monkey_patch_all(): Note [The drop-in leaves quickly]
+    teardown.flush_left_open(skip_ids)  # overmind.warm.child: Note [Output is never lost at exit]
+
+Note [The drop-in leaves quickly]
+A python that imported torch, diffusers and transformers spends a second leaving: measured
+here (2 cores, the seed's ControlNet script, page cache warm) 1.1-1.4 s from the script's last
+line to its exit, almost all of it in the interpreter's own teardown, where the cycle
+collector walks and frees the millions of objects those libraries made (a module's functions
+and its globals are a cycle, so every module dies by the collector). The user waits for it on
+every run, plain or cached; it was as much as the cache saved on the loads. So
+``monkey_patch_all()`` registers an atexit callback (then: so it runs after every callback
+registered later, which is nearly all of them) that does what the teardown must not skip and
+lets the rest go:
+
+- ``gc.collect()``: every cycle that is garbage now is collected and its finalizers run, as
+  the teardown would have run them;
+- every file object still open is flushed (Note [Output is never lost at exit]);
+- ``gc.freeze()``: what is still alive moves to the permanent generation. The teardown still
+  runs the atexit callbacks registered earlier and releases every module's globals, so what
+  dies by its reference count dies as in plain python (its ``__del__`` runs), but the
+  collector no longer walks or frees the old objects: the kernel takes their memory back at
+  once.
+
+The exit status, the atexit callbacks and the output are plain python's. What is not: the
+finalizers of objects that only become cyclic garbage during the teardown itself do not run
+(CPython does not promise them either: "It is not guaranteed that __del__() methods are
+called for objects that still exist when the interpreter exits"); their files were flushed
+above. Measured the same way, cache warm: 0.65-0.7 s instead of 1.4-1.6 s (0.25 s of it the
+collection, 0.16 s the sweep for open files, 0.25 s what is left of the teardown).
+``OVERMIND_QUICK_EXIT=0`` turns it off. Runs of ``overmind run`` leave through
+``overmind.warm.child._finalize`` instead, which skips the teardown altogether.
+
+Note [Output is never lost at exit]
+Skipping (part of) the teardown skips where a fresh python closes what is still open. So
+every text file is flushed, then every buffered binary file (text first: its pending text
+lands in its buffer). Objects in the permanent generation are not looked at: in a run forked
+from a warm interpreter they are the interpreter's, not the run's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import io
+import threading
+
+__all__ = ["exit_handled_elsewhere", "flush_left_open", "leave_quickly"]
+
+_registered = False
+_lock = threading.Lock()
+
+
+def flush_left_open(skip: set = frozenset()) -> None:
+    """Flush every file object still open (Note [Output is never lost at exit]), but those
+    whose ``id`` is in ``skip``."""
+    texts, buffers = [], []
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance(), which reads __class__: some proxies warn on it
+        if issubclass(kind, io.TextIOWrapper):
+            texts.append(obj)
+        elif issubclass(kind, (io.BufferedWriter, io.BufferedRandom)):
+            buffers.append(obj)
+    for stream in texts + buffers:  # text first: its pending text lands in its buffer
+        try:
+            if id(stream) not in skip and not stream.closed:
+                stream.flush()
+        except BaseException:  # noqa: BLE001 - a fresh python would not report it either
+            pass
+
+
+def leave_quickly() -> None:
+    """Register the callback of Note [The drop-in leaves quickly], once per process."""
+    global _registered
+    with _lock:
+        if not _registered:
+            atexit.register(_at_exit)
+            _registered = True
+
+
+def exit_handled_elsewhere() -> None:
+    """A run forked by ``overmind run`` leaves through overmind.warm.child's own exit: the
+    callback, were it registered, would have nothing to add."""
+    global _registered
+    with _lock:
+        if _registered:
+            atexit.unregister(_at_exit)
+        _registered = True
+
+
+def _at_exit() -> None:
+    gc.collect()
+    flush_left_open()
+    gc.freeze()

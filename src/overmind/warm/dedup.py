@@ -1,0 +1,116 @@
+"""What sealed segments already hold: the loader's side of storing each content once.
+
+    store = SegmentContents(index)       # the server's content index, handed over with the job
+    packed = pack(model, store=store)    # overmind.shared.reductions asks store.find(digest, nbytes)
+    store.fds, store.holders             # sent with the job's result, after its own segments
+    store.close()
+
+See Note [Stored once by content] in overmind.shared.reductions and Note [Content index] in
+overmind.server.registry.
+
+Note [Found regions are checked]
+The index comes from the server and names regions by inode; a segment is opened through
+``/proc/<server>/fd/<n>`` and refused unless it is a sealed memfd of that very inode
+(DESIGN invariant 7), and before a region replaces a copy, its bytes are hashed again here,
+from a mapping of the sealed segment itself. A stale index, an evicted entry, a reused fd
+number, a server whose fds cannot be opened this way, or a bug then costs a copy, never a
+wrong weight, and no hash is ever taken over memory a client can write.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from typing import Optional
+
+import xxhash
+
+from overmind.shared import protocol as P
+from overmind.shared.memfd import Segment
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SegmentContents", "MAX_SEGMENTS"]
+
+# A job's result carries its own segments and these in one message (protocol.MAX_FDS).
+MAX_SEGMENTS = P.MAX_FDS - 16
+
+
+class SegmentContents:
+    """A :class:`overmind.shared.reductions.ContentStore` over the server's content index
+    (``Registry.content_index`` and the server's pid, as ``LoaderJob`` hands them over)."""
+
+    def __init__(self, index: dict, server_pid: int) -> None:
+        self._server_pid = server_pid
+        self._index: dict[tuple[bytes, int], list[tuple[int, int, int, int]]] = {}
+        self._keys: list[str] = []
+        self._handles: list[list] = []
+        try:
+            self._keys = [str(k) for k in index["keys"]]
+            self._handles = [list(h) for h in index["handles"]]
+            for digest, nbytes, holder, dev, ino, offset in index["regions"]:
+                self._index.setdefault((bytes.fromhex(digest), nbytes), []).append((holder, dev, ino, offset))
+        except (KeyError, TypeError, ValueError) as err:  # no index: every storage is written, as before dedup
+            logger.warning("malformed content index (%s); storing this load's bytes without dedup", err)
+            self._index = {}
+        self.fds: list[int] = []  # external segments, in the store's numbering
+        self.sizes: list[int] = []
+        self.holders: list[str] = []  # entries whose segments these are
+        self._numbers: dict[tuple[int, int], int] = {}
+        self._unavailable: set[tuple[int, int]] = set()
+        self._views: list[mmap.mmap] = []
+        self._used: set[tuple[int, int]] = set()
+
+    def find(self, digest: bytes, nbytes: int) -> Optional[tuple[int, int]]:
+        for holder, dev, ino, offset in self._index.get((digest, nbytes), ()):
+            number = self._segment(holder, dev, ino)
+            if number is None or (number, offset) in self._used:
+                continue
+            view = self._views[number]
+            if offset + nbytes > len(view):
+                continue
+            if xxhash.xxh3_128_digest(memoryview(view)[offset:offset + nbytes]) != digest:
+                logger.warning("region %d:%d+%d does not hold the indexed bytes; copying instead", ino, offset, nbytes)
+                continue
+            self._used.add((number, offset))
+            return number, offset
+        return None
+
+    def _segment(self, holder: int, dev: int, ino: int) -> Optional[int]:
+        """This store's number for segment (dev, ino), opened through the holding entry's handle."""
+        number = self._numbers.get((dev, ino))
+        if number is not None or (dev, ino) in self._unavailable:
+            return number
+        if len(self.fds) >= MAX_SEGMENTS or not 0 <= holder < min(len(self._keys), len(self._handles)):
+            self._unavailable.add((dev, ino))
+            return None
+        key = self._keys[holder]
+        handle = next((h for h in self._handles[holder] if isinstance(h, list) and len(h) == 4
+                       and (h[2], h[3]) == (dev, ino)), None)
+        try:
+            if handle is None:
+                raise ValueError("not among the holder's segments")
+            # refuses unsealed memory and any other inode: DESIGN invariant 7
+            segment = Segment.open_proc(self._server_pid, handle[0], handle[1], f"{key[:12]}.shared",
+                                        identity=(dev, ino))
+            chosen = (segment.fd, handle[1], segment.map_private())
+        except (OSError, ValueError, TypeError) as err:  # evicted since, or /proc refused: copy instead
+            logger.debug("segment %d:%d of %s not opened: %s", dev, ino, key[:16], err)
+            self._unavailable.add((dev, ino))
+            return None
+        number = len(self.fds)
+        self.fds.append(chosen[0])
+        self.sizes.append(chosen[1])
+        self._views.append(chosen[2])
+        self._numbers[(dev, ino)] = number
+        if key not in self.holders:
+            self.holders.append(key)
+        return number
+
+    def close(self) -> None:
+        for view in self._views:
+            view.close()
+        for fd in self.fds:
+            os.close(fd)
+        self._views, self.fds = [], []

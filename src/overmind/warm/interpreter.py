@@ -1,0 +1,545 @@
+"""A warm interpreter: imports installed modules once, then forks a child per load or run.
+
+Started by the server (``overmind.server.pool``) as ``python -c "...zygote_main(fd)"`` in
+its own session, cwd ``/``, stdio on the server's log; never by users::
+
+    zygote_main(control_fd)   # Warm -> LoaderReady, then Job | Fork | Retire, until retired
+
+A ``Job`` child runs one cold load (``overmind.warm.loader.run_job``); a ``Fork`` child becomes
+the user's script (``overmind.warm.child.become``) with the front end's stdio, and this process
+reports its exit status to the front end (``RunExited``) when it reaps it.
+
+Note [Warm interpreters]
+A warm interpreter holds only code that cannot change under it: the standard library and
+installed packages (``overmind.warm.installed.installed_modules``), never the user's own code (the
+script's folder, the cwd, editable installs, ``PYTHONPATH`` outside site-packages), so an
+edit to the user's code is seen by the next run. It records the size and mtime of every
+file it imported from; before each fork it checks them, and one that changed (a ``pip
+install -U``) makes it refuse (``NOT_FORKABLE``) and the server retire it: the run goes
+plain this once, the next gets a fresh interpreter, and old code never runs.
+
+Note [Forking past torch's thread]
+A fork copies only the calling thread; a lock another thread held stays locked forever in
+the child. So a fork happens only from a known state: no Python thread but the main one
+(``threading.active_count() == 1``), and no native thread beyond those counted right after
+the pre-imports. ``import torch`` alone starts one native thread, which blocks on a futex
+until work is submitted to it (at::launch's pool is created lazily; the thread seen here
+belongs to the CPU allocator/OpenMP runtime and holds no lock while it waits); the child
+starts with a fresh copy of the pool's state and never talks to that thread, and torch's
+own ``pthread_atfork`` handlers reset its thread pools in the child. A new thread (an import
+that started a pool, a library's background loader) makes the interpreter refuse to fork,
+and the server replaces it without the module that did so. CUDA is never initialised here
+(Note [Zygotes never touch CUDA] in overmind.server.pool).
+
+Note [Warm interpreters learn]
+Each run reports, at its exit, the installed modules it imported; a patched client reports
+them while it imports (``Warm`` on a ready interpreter, from the server); and each Job names
+the modules its call needs. The interpreter imports those it lacks, one at a time, between
+forks (a Fork or Job waiting on the control socket goes first), so the next run of the same
+script or load of the same library imports nothing; the server keeps the list per context
+and hands it (``Warm``) to the context's next interpreter at start. Learning yields the CPU
+(Note [Warming up yields the CPU]) instead of competing with the client that taught it. A
+Job's own modules are imported here before its fork, at the priority the server gave us
+for the Job: the first fill of a cold start is usually followed by three more (a pipeline's
+components), and importing diffusers once here beats importing it in each loader child.
+
+Note [Frozen before forking]
+Everything the interpreter holds is moved to the garbage collector's permanent generation
+before each fork (``gc.freeze()``): a child's collections, and the exit-time sweep for open
+files (Note [Exit like Py_RunMain] in overmind.warm.child), then scan only the run's own objects
+(0.25 s less for a run of ``pass`` with torch imported), and never write to the shared pages
+of the interpreter's objects (reference counts aside), so they stay shared.
+
+Note [Retiring never kills work]
+``Retire`` stops forking; the process exits once every load and run it started has ended,
+still reporting run statuses. Only the server's death (EOF on the control socket) kills the
+loads in flight (their results have nowhere to go); runs keep going even then.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+
+from overmind.shared import protocol as P
+from overmind.shared.import_env import Reads, differs, recording
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["zygote_main"]
+
+PREIMPORT = ("torch",)
+MAX_REPORT = 4 << 20  # bytes of a run's module report
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+class _RunChild:
+    def __init__(self, conn: socket.socket, report: int) -> None:
+        self.conn = conn
+        self.report = report  # read end of the child's module report pipe, -1 once read
+        self.data = bytearray()
+        self.front_end_gone = False
+
+
+class WarmInterpreter:
+    def __init__(self, control: socket.socket) -> None:
+        self.control = control
+        self.runs: dict[int, _RunChild] = {}
+        self.loads: set[int] = set()
+        self.files: dict[str, tuple[int, int]] = {}  # Note [Warm interpreters]
+        self.threads = 0
+        self.retiring = False
+        self.learned: list[str] = []  # what runs imported that we did not hold: for our successor
+        self.to_learn: list[str] = []
+        self.refused_modules: set[str] = set()
+        self.reads = Reads()  # Note [Settings an import read] in overmind.shared.import_env
+        self.told: tuple[set, set] = (set(), set())  # the names and prefixes the server has heard of
+        self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    # -- start ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
+        signal.set_wakeup_fd(self.wakeup_w, warn_on_full_buffer=False)
+        if sys.path and sys.path[0] in ("", os.getcwd()):
+            del sys.path[0]  # `python -c` put the cwd ("/") first; a run sets its own sys.path[0]
+        message, _, fds = P.recv_message(self.control)
+        P.close_fds(fds)
+        warm = P.expect(message, P.Warm, "first, from the server")
+        self.refused_modules.update(n for n in warm.refused if isinstance(n, str))
+        yielding = _yield_cpu()  # Note [Warming up yields the CPU]
+        imported = self._import(PREIMPORT)
+        with recording(self.reads):
+            import overmind.shared.quirks  # noqa: F401  (torch-side helpers before forking)
+            import overmind.shared.reductions  # noqa: F401
+            import overmind.warm.child  # noqa: F401  (what every run imports first)
+
+        self.threads = _native_threads()  # Note [Forking past torch's thread]: counted here, once
+        imported += self._import(warm.modules)
+        self._record_files()
+        self._index()
+        if yielding:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        P.send_message(self.control, P.LoaderReady(os.getpid(), imported, refused=sorted(self.refused_modules),
+                                                   environ=self._news()))
+
+    def _import(self, names) -> list[str]:
+        done = []
+        for name in names:
+            if name in sys.modules or name in self.refused_modules:
+                continue
+            before = threading.active_count(), _native_threads()
+            self.reads.unbounded = ""
+            failed, installed = None, False
+            # Note [Settings an import read] in overmind.shared.import_env; find_spec imports the parent package
+            with recording(self.reads):
+                try:
+                    installed = _installed(name)
+                    if installed:
+                        importlib.import_module(name)
+                except BaseException as err:  # noqa: BLE001 - a module that fails here costs the run an import
+                    failed = err
+            if self.reads.unbounded:  # Note [Settings an import read] in overmind.shared.import_env: not followed
+                logger.debug("importing %s read the environment untraced (%s)", name, self.reads.unbounded)
+            if not installed:
+                continue
+            if failed is not None:
+                logger.debug("pre-import of %s failed: %s", name, failed)
+                self.refused_modules.add(name)
+                continue
+            if (threading.active_count(), _native_threads()) != before and self.threads:
+                # Never again in this context: the server drops it from what it hands our successor.
+                logger.warning("importing %s started a thread: this interpreter will not fork again", name)
+                self.refused_modules.add(name)
+                if name in self.learned:
+                    self.learned.remove(name)
+                continue
+            done.append(name)
+        return done
+
+    def _index(self) -> None:
+        """_index_bound_names, recorded: looking names up may import (lazy modules)."""
+        with recording(self.reads):
+            _index_bound_names()
+
+    def _news(self) -> dict:
+        """The names and prefixes read since the server last heard: only news travels."""
+        names = [n for n in self.reads.names if n not in self.told[0]]
+        prefixes = [p for p in self.reads.prefixes if p not in self.told[1]]
+        self.told[0].update(names)
+        self.told[1].update(prefixes)
+        return {"names": names, "prefixes": prefixes} if names or prefixes else {}
+
+    def _record_files(self) -> None:
+        from overmind.warm.installed import installed_modules
+
+        for name in installed_modules(exclude=()):
+            path = getattr(sys.modules.get(name), "__file__", None)
+            if isinstance(path, str) and path not in self.files:
+                try:
+                    st = os.stat(path)
+                    self.files[path] = (st.st_mtime_ns, st.st_size)
+                except OSError:
+                    pass
+
+    # -- fork safety --------------------------------------------------------------------------
+
+    def _why_not_forkable(self) -> str:
+        if threading.active_count() != 1:
+            return f"{threading.active_count()} Python threads (Note [Forking past torch's thread])"
+        if _native_threads() > self.threads:
+            return f"{_native_threads()} native threads, {self.threads} when ready"
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return "CUDA was initialised here (Note [Zygotes never touch CUDA] in overmind.server.pool)"
+        for path, (mtime_ns, size) in self.files.items():
+            try:
+                st = os.stat(path)
+                if (st.st_mtime_ns, st.st_size) == (mtime_ns, size):
+                    continue
+            except OSError:
+                pass
+            return f"{path} changed since it was imported (Note [Warm interpreters])"
+        return ""
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        while True:
+            if self.retiring and not self.runs and not self.loads:
+                os._exit(0)
+            watched = [self.wakeup_r] + [c.conn for c in self.runs.values() if not c.front_end_gone]
+            watched += [c.report for c in self.runs.values() if c.report >= 0]
+            if not self.retiring:
+                watched.append(self.control)
+            timeout = 0 if self.to_learn and not self.retiring else None
+            try:
+                ready, _, _ = select.select(watched, [], [], timeout)
+            except InterruptedError:
+                continue
+            if self.wakeup_r in ready:
+                self._drain_wakeup()
+            self._reap()
+            for pid, child in list(self.runs.items()):
+                if child.report >= 0 and child.report in ready:
+                    self._read_report(child)
+                if child.conn in ready and not child.front_end_gone:
+                    self._front_end_gone(pid, child)
+            if self.control in ready:
+                self._control()
+            elif self.to_learn and not self.retiring:
+                self._learn_one()
+
+    def _drain_wakeup(self) -> None:
+        try:
+            while os.read(self.wakeup_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.loads.discard(pid)
+            child = self.runs.pop(pid, None)
+            if child is None:
+                continue
+            if child.report >= 0:
+                self._read_report(child, final=True)
+            try:
+                child.conn.settimeout(5.0)
+                P.send_message(child.conn, P.RunExited(status))
+            except OSError:
+                pass
+            child.conn.close()
+            self._learn_from(child)
+
+    def _read_report(self, child: _RunChild, final: bool = False) -> None:
+        while True:
+            try:
+                chunk = os.read(child.report, 65536)
+            except BlockingIOError:
+                if not final:
+                    return
+                chunk = b""
+            if not chunk or len(child.data) > MAX_REPORT:
+                os.close(child.report)
+                child.report = -1
+                return
+            child.data += chunk
+
+    def _learn_from(self, child: _RunChild) -> None:
+        try:
+            names = json.loads(bytes(child.data)) if child.data else []
+        except ValueError:
+            return
+        self._to_learn(names)
+
+    def _to_learn(self, names) -> None:
+        new = [n for n in names if isinstance(n, str) and n not in sys.modules and n not in self.refused_modules
+               and n not in self.to_learn]
+        self.to_learn.extend(new)
+        self.learned.extend(n for n in new if n not in self.learned)
+
+    def _learn_now(self, names: list) -> None:
+        """Import ``names``, and what was queued before them, now, at our current priority."""
+        if not names:
+            return
+        last = max(self.to_learn.index(n) for n in names)
+        now, self.to_learn = self.to_learn[:last + 1], self.to_learn[last + 1:]
+        self._import(now)
+        self._record_files()
+        self._index()
+
+    def _learn_one(self) -> None:
+        """One learned module, then back to select: a Fork waiting goes first (Note [Warm interpreters learn])."""
+        name = self.to_learn.pop(0)
+        yielding = _yield_cpu()
+        try:
+            self._import([name])
+        finally:
+            if yielding:
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        if not self.to_learn:
+            self._record_files()
+            self._index()
+
+    def _front_end_gone(self, pid: int, child: _RunChild) -> None:
+        """The front end closed its connection (killed, or its terminal went away): so does the run."""
+        try:
+            if child.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return  # it never sends anything; ignore stray bytes
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        child.front_end_gone = True
+        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            try:
+                target()
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _control(self) -> None:
+        try:
+            message, blob, fds = P.recv_message(self.control)
+        except (EOFError, ConnectionResetError, P.ProtocolError):
+            # The server died: loads have nowhere to send their result; runs go on (Note [Retiring never kills work]).
+            for pid in self.loads:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.retiring = True
+            return
+        if isinstance(message, P.Retire):
+            P.close_fds(fds)
+            self.retiring = True
+            return
+        if isinstance(message, P.Warm):  # a client's imports, as they happen: Note [Warm interpreters learn]
+            P.close_fds(fds)
+            self.refused_modules.update(n for n in message.refused if isinstance(n, str))
+            self._to_learn(message.modules)
+            return
+        expected = 1 if isinstance(message, P.Job) else 4 if isinstance(message, P.Fork) else -1
+        if len(fds) != expected:
+            P.close_fds(fds)
+            P.send_message(self.control, P.JobFailed("", P.ErrorCode.BAD_REQUEST,
+                                                     f"unexpected {type(message).__name__} with {len(fds)} fds"))
+            return
+        if isinstance(message, P.Job):
+            # Imported here, before the fork, so every later loader and run shares them (Note [Warm
+            # interpreters learn]); the server lifted our priority when it sent the Job.
+            self._to_learn(message.modules)
+            self._learn_now([n for n in message.modules if n in self.to_learn])
+        why = self._why_not_forkable()
+        if why:
+            P.close_fds(fds)
+            P.send_message(self.control, P.JobFailed(getattr(message, "key", "run"), P.ErrorCode.NOT_FORKABLE, why,
+                                                     refused=sorted(self.refused_modules), environ=self._news()))
+            return
+        if isinstance(message, P.Fork):  # Note [Settings an import read] in overmind.shared.import_env
+            env = message.spec.get("env") if isinstance(message.spec, dict) else None
+            why = differs(env if isinstance(env, dict) else {}, os.environ, self.reads.names, self.reads.prefixes)
+            if why:
+                P.close_fds(fds)
+                P.send_message(self.control, P.JobFailed("run", P.ErrorCode.ENV_DIFFERS, why, environ=self._news()))
+                return
+        if isinstance(message, P.Job):
+            pid = self._fork_job(message, blob, fds[0])
+            self.loads.add(pid)
+            key = message.key
+        else:
+            pid = self._fork_run(message, fds)
+            if pid < 0:  # not this interpreter's fault: BAD_REQUEST, so it is not retired
+                P.send_message(self.control, P.JobFailed("run", P.ErrorCode.BAD_REQUEST,
+                                                         "the front end left before its run started"))
+                return
+            key = "run"
+        P.send_message(self.control, P.JobStarted(key, pid, modules=len(sys.modules), learned=self.learned,
+                                                  environ=self._news()))
+
+    def _fork_job(self, job: P.Job, blob: bytes, job_fd: int) -> int:
+        gc.freeze()  # Note [Frozen before forking]
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                self._in_child()
+                from overmind.warm.loader import run_job
+
+                try:
+                    os.chdir(job.cwd)
+                except OSError:
+                    pass
+                with socket.socket(fileno=job_fd) as job_sock:
+                    code = run_job(job, blob, job_sock)
+            finally:
+                os._exit(code)
+        os.close(job_fd)
+        return pid
+
+    def _fork_run(self, fork: P.Fork, fds: list[int]) -> int:
+        stdin, stdout, stderr, conn_fd = fds
+        conn = socket.socket(fileno=conn_fd)
+        try:  # the front end may have given up waiting: then nothing runs (never twice, never late)
+            if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                P.close_fds([stdin, stdout, stderr])
+                conn.close()
+                return -1
+        except BlockingIOError:
+            pass
+        report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        self._index()  # at once unless something was imported since the last time
+        gc.freeze()  # Note [Frozen before forking]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                self._in_child()
+                conn.close()
+                os.close(report_r)
+                _report_modules_at_exit(report_w)
+                from overmind.warm.child import become
+
+                become(fork.spec, stdin, stdout, stderr)
+            finally:
+                os._exit(1)
+        P.close_fds([stdin, stdout, stderr, report_w])
+        os.set_blocking(report_r, False)
+        self.runs[pid] = _RunChild(conn, report_r)
+        try:
+            conn.settimeout(5.0)
+            P.send_message(conn, P.RunStarted(pid))
+        except OSError:
+            pass
+        return pid
+
+    def _in_child(self) -> None:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in (self.wakeup_r, self.wakeup_w):
+            os.close(fd)
+        for child in self.runs.values():
+            child.conn.close()
+            if child.report >= 0:
+                os.close(child.report)
+        self.control.close()
+
+
+def _index_bound_names() -> None:
+    """The pass over every module that a run's ``monkey_patch_all()`` would make, made here
+    once, before forking: Note [Names bound before patching] in overmind.shared.patching."""
+    from overmind.shared import patching
+    from overmind.api import DEFAULT_PATCH_POINTS
+
+    try:
+        patching.index_bound_names(patching.PatchPoint.parse(p) for p in DEFAULT_PATCH_POINTS)
+    except Exception:  # noqa: BLE001 - a run then makes the pass itself
+        logger.debug("indexing bound names failed", exc_info=True)
+
+
+def _yield_cpu() -> bool:
+    """Note [Warming up yields the CPU]
+    A new interpreter is usually started by a run that went plain for want of one, and its
+    imports would compete with that very run for the CPU (1.2 x plain measured on 2 cores).
+    So it imports under SCHED_IDLE, running only on CPU time nobody else wants, and returns
+    to SCHED_OTHER when ready, before any fork; so does each learned import (Note [Warm
+    interpreters learn]), and the server lifts it to SCHED_OTHER when it sends a Fork or Job,
+    so no run or load waits on an idle import. Only where the kernel will let it return
+    (root, or RLIMIT_NICE of 20): otherwise its children would inherit the idle policy."""
+    import resource
+
+    try:
+        if os.geteuid() != 0 and resource.getrlimit(resource.RLIMIT_NICE)[0] < 20:
+            return False
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def _report_modules_at_exit(fd: int) -> None:
+    """At the run's exit (the first atexit callback, so it runs last): its installed modules."""
+    import atexit
+
+    held = frozenset(sys.modules)  # what the interpreter has already: only the rest is news
+
+    def report() -> None:
+        try:
+            from overmind.warm.installed import installed_modules
+
+            news = not held.issuperset(sys.modules)
+            data = json.dumps(installed_modules(skip=held) if news else []).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except Exception:  # noqa: BLE001 - learning is a bonus; the run's exit must not suffer
+            pass
+        finally:
+            os.close(fd)
+
+    atexit.register(report)
+
+
+def _installed(name: str) -> bool:
+    """Is ``name`` importable from an installed location (never the user's code)?"""
+    from overmind.warm.installed import installed_prefixes
+
+    top = name.partition(".")[0]
+    if top != name and top not in sys.modules and not _installed(top):
+        return False  # find_spec of a submodule imports its package: never one of the user's
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError, AttributeError):
+        return False
+    if spec is None:
+        return False
+    if spec.origin in ("built-in", "frozen"):
+        return True
+    paths = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
+    prefixes = [os.path.join(os.path.realpath(p), "") for p in installed_prefixes()]
+    return bool(paths) and all(os.path.realpath(p).startswith(tuple(prefixes)) for p in paths)
+
+
+
+def zygote_main(control_fd: int) -> None:
+    interpreter = WarmInterpreter(socket.socket(fileno=control_fd))
+    interpreter.start()
+    interpreter.serve()
