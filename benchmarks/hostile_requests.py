@@ -264,7 +264,7 @@ class Attack:
         key = ("%032x" % random.getrandbits(128)) * (16384 if huge else 1)  # a real key's form, or 512 KiB of it
         if variant != "real_loader":
             return self._failing_load(load_msg(key, BAD_CONTEXT), pickle.dumps(None))
-        # a real loader job: the zygote forks a child whose unpickle or import fails
+        # a real loader job: the warm interpreter forks a child whose unpickle or import fails
         call = ((("module", f"overmind_hostile_missing_{i}", "load"), (), {}))
         return self._failing_load(load_msg(key, CONTEXT), pickle.dumps(call) if i % 4 < 2 else os.urandom(256))
 

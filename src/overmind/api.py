@@ -183,13 +183,14 @@ def _prepare() -> None:
     overlapping the loader's start-up with the script's own imports."""
     try:
         from overmind.client import cache
-        from overmind.shared import protocol as P
         from overmind.client.connection import Connection
+        from overmind.shared import protocol as P
         from overmind.shared.config import Config
+        from overmind.shared.contexts import caller_context
 
         config = Config.from_env()
         conn = Connection.open(config)
-        conn.simple(P.Prepare(cache.context()), P.Ok, timeout=config.reply_timeout)
+        conn.simple(P.Prepare(caller_context()), P.Ok, timeout=config.reply_timeout)
         from overmind.client import prefetch  # Note [Prefetch] in overmind.client.prefetch
 
         server_pid, entries = prefetch.plan(conn)

@@ -179,7 +179,7 @@ def _wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-# -- processes that belong to one runtime dir (servers, zygotes, loaders) ----------------------
+# -- processes that belong to one runtime dir (servers, warm interpreters, loaders) ----------------------
 
 
 def _processes_of(runtime_dir: Path) -> dict[int, list[bytes]]:
@@ -206,7 +206,7 @@ def _servers_of(runtime_dir: Path) -> list[int]:
 
 def _kill_all(runtime_dir: Path) -> None:
     for pid in _servers_of(runtime_dir):
-        os.kill(pid, signal.SIGTERM)  # graceful: the server kills its zygotes
+        os.kill(pid, signal.SIGTERM)  # graceful: the server kills its warm interpreters
     try:
         _wait_for(lambda: not _processes_of(runtime_dir), 15, "the daemon to stop")
     except AssertionError:
@@ -359,8 +359,8 @@ report(first=digest(first), second=digest(second), seconds=[t1, t2], returned_at
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(10)
         out = _finish(client)
-        # The zygote notices the server is gone and exits.
-        _wait_for(lambda: set(_processes_of(server.runtime_dir)) <= {loader_pid}, 30, "the zygote to exit",
+        # The warm interpreter notices the server is gone and exits.
+        _wait_for(lambda: set(_processes_of(server.runtime_dir)) <= {loader_pid}, 30, "the warm interpreter to exit",
                   interval=0.1)
     finally:
         if client.poll() is None:

@@ -32,7 +32,7 @@ import json, os, sys
 import torch
 from transformers import LlamaForCausalLM
 from overmind.shared import protocol as P
-from overmind.client.cache import _rebuild, context as _context
+from overmind.shared.contexts import caller_context
 from overmind.shared.calls import Target, encode_call
 from overmind.client.connection import Connection, SegmentChanged, _slot_handles
 from overmind.shared.config import Config
@@ -46,7 +46,7 @@ def call(path):
 
 def fill(conn, c):
     # wait=True: answered once the server holds the entry (a hit if it did already)
-    return conn.load(P.Load(c.key, target.name, c.description, _context(), modules=target.modules, wait=True), c.blob)
+    return conn.load(P.Load(c.key, target.name, c.description, caller_context(), modules=target.modules, wait=True), c.blob)
 
 def weights(model):
     return float(sum(t.double().sum() for t in model.state_dict().values()))

@@ -164,8 +164,8 @@ def test_unpickling_a_parameter_record_of_another_version_is_a_clear_error():
 
 
 def test_registering_reducers_imports_no_library_that_is_not_loaded():
-    # A zygote imports torch and overmind.shared.quirks, then forks loaders: importing bitsandbytes there
-    # would probe CUDA (Note [Zygotes never touch CUDA]).
+    # A warm interpreter imports torch and overmind.shared.quirks, then forks loaders: importing bitsandbytes there
+    # would probe CUDA (Note [Warm interpreters never touch CUDA]).
     run_python("""
         import sys, torch
         from overmind.shared import quirks

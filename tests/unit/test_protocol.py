@@ -63,7 +63,7 @@ def test_header_layout_is_pinned():
 def test_message_type_codes_never_change():
     assert {code: cls.__name__ for code, cls in P.MESSAGE_TYPES.items()} == {
         1: "Hello", 2: "Welcome", 3: "Error",
-        10: "Load", 11: "Entry", 12: "GetFds", 13: "Fds", 14: "Pending", 15: "GetContents", 16: "Contents",
+        10: "Load", 11: "Entry", 12: "GetFds", 13: "Fds", 14: "Pending", 16: "Contents",
         17: "PlainLoaded", 18: "Prefetch", 19: "PrefetchReply",
         20: "Status", 21: "StatusReply", 22: "ListEntries", 23: "EntryList", 24: "Evict", 25: "Evicted",
         26: "Shutdown", 27: "Ok", 28: "Prepare",
@@ -99,7 +99,6 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.Pending(key="k", loading=True, waiting=True), b""),
     (P.GetFds(key="k"), b""),
     (P.Fds(key="k", sizes=[4096]), b""),
-    (P.GetContents(), b""),
     (P.Contents(regions=1), b'{"keys": ["k"], "regions": [["00ff", 65536, 0, 45, 1234, 4096]]}'),
     (P.Status(), b""),
     (P.StatusReply(info={"entries": 2, "hits": 3, "nested": {"x": [1, 2.5, None]}}), b""),

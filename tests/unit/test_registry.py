@@ -17,7 +17,7 @@ def _sealed(nbytes: int) -> Segment:
 
 def _entry(key: str, segments: list, contents: list) -> CacheEntry:
     slots = [[os.dup(seg.fd), seg.size] for seg in segments]
-    return CacheEntry(key, "t", key, b"skeleton", slots, 0, [], {}, contents=contents)
+    return CacheEntry(key, "t", key, b"skeleton", slots, 0, [], P.LoadMeta(), contents=contents)
 
 
 def test_shared_segments_are_counted_once_and_indexed_by_inode():
@@ -136,7 +136,7 @@ def test_thousands_of_entries_list_over_a_real_socket():
     registry = Registry(budget=1 << 30)
     for i in range(5000):
         registry.add(CacheEntry(f"{i:032x}", "mod:fn", f"fn('/models/{i:05d}/a/rather/long/path')", b"s", [], 0, [],
-                                {"files": [[f"/models/{i:05d}/config.json", 1, 2, 3, 4]]}))
+                                P.LoadMeta(files=[[f"/models/{i:05d}/config.json", 1, 2, 3, 4]])))
     entries = registry.summaries()
     assert len(json.dumps(entries)) > P.MAX_JSON  # as fields this would not fit in one frame
     a, b = socket.socketpair()

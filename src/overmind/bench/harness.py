@@ -290,7 +290,7 @@ def pss(pid: int) -> int:
 
 
 def tree_pss(pid: int) -> int:
-    """PSS of ``pid`` and its descendants (the server, its zygotes and loaders)."""
+    """PSS of ``pid`` and its descendants (the server, its warm interpreters and loaders)."""
     import psutil
 
     total = 0

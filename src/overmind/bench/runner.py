@@ -300,7 +300,7 @@ class Runner:
 
     def prestart(self) -> Worker:
         """Get the server's loader for the workers' context started now, while models are
-        generated: a zygote importing torch beside a timed worker would slow it (its import
+        generated: a warm interpreter importing torch beside a timed worker would slow it (its import
         time most). monkey_patch_all() asks for it in the background; close the returned
         worker once :meth:`loaders_started` says the request arrived."""
         worker = Worker(self.env("warm"), [], self.log_dir, "prestart", cwd=self.cwd)
@@ -310,7 +310,7 @@ class Runner:
         return bool(self.server.status().get("loaders"))
 
     def wait_loaders_ready(self, timeout: float = 300.0) -> None:
-        # A zygote still importing must not land between two measurements.
+        # A warm interpreter still importing must not land between two measurements.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             loaders = self.server.status().get("loaders") or []

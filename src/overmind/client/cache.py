@@ -13,7 +13,6 @@ Note [Never worse than no cache] in ``overmind.api``.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OvermindError", "load_target", "fetch_entry", "origin_of", "context", "keep_spare"]
+__all__ = ["OvermindError", "load_target", "fetch_entry", "origin_of", "keep_spare"]
 
 
 class OvermindError(RuntimeError):
@@ -136,10 +135,11 @@ def _add_sys_path(paths: Iterable[str]) -> None:
             sys.path.append(path)
 
 
-def _rebuild(conn, reply, skeleton: bytes, references: dict) -> Any:
+def _rebuild(conn, reply, skeleton: bytes, references: dict, meta) -> Any:
+    """The object of an entry (``reply``, and ``meta``, its LoadMeta, read once by the caller)."""
     from overmind.shared.reductions import unpack
 
-    _add_sys_path(_meta(reply).sys_path_extra)
+    _add_sys_path(meta.sys_path_extra)
     mappings = conn.map_segments(reply)
     return unpack(skeleton, mappings, references=references)
 
@@ -161,8 +161,9 @@ def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] =
     if key in seen:
         return seen[key]
     reply, skeleton = conn.load(P.Load(key, "", "reference", {}, lookup_only=True), b"")
-    references = {k: fetch_entry(k, [conn], seen) for k in _meta(reply).references}
-    obj = _rebuild(conn, reply, skeleton, references)
+    meta = _meta(reply)
+    references = {k: fetch_entry(k, [conn], seen) for k in meta.references}
+    obj = _rebuild(conn, reply, skeleton, references, meta)
     seen[key] = obj
     _remember(obj, key)
     return obj
@@ -172,13 +173,6 @@ def _meta(reply):
     from overmind.shared import protocol as P
 
     return P.LoadMeta.from_wire(reply.meta)
-
-
-def context() -> dict:
-    from overmind.shared.config import selecting_environment
-
-    return {"python": sys.executable, "cwd": os.getcwd(), "sys_path": list(sys.path),
-            "env": selecting_environment(os.environ)}
 
 
 def load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
@@ -276,9 +270,10 @@ def _fetch(config: "Config", target: "Target", call) -> tuple[Any, Any, str]:
     """(object, its LoadMeta, the key it is filed under), or CachePending."""
     from overmind.shared import protocol as P
     from overmind.shared.callstate import rng_digest, rng_key, seeded
+    from overmind.shared.contexts import caller_context
     from overmind.client.prefetch import program_id
 
-    request = P.Load(call.key, target.name, call.description, context(), call.refs, modules=target.modules,
+    request = P.Load(call.key, target.name, call.description, caller_context(), call.refs, modules=target.modules,
                      wait=config.cold_wait, program=program_id())
     retry = _retry_once_errors()
     attempt = 0
@@ -299,7 +294,7 @@ def _fetch(config: "Config", target: "Target", call) -> tuple[Any, Any, str]:
                     raise P.ProtocolError(f"the entry for {request.key[:16]} started from other generator states")
                 if not seeded(drew, call.rng_state):
                     raise NotWorthCaching("the load draws from a generator seeded from OS entropy")
-                request = P.Load(rng_key(call.key, digest), target.name, call.description, context(),
+                request = P.Load(rng_key(call.key, digest), target.name, call.description, caller_context(),
                                  call.refs, modules=target.modules, wait=config.cold_wait, program=program_id())
                 continue
             from overmind.client.connection import unreadable  # Note [A hit needs the caller's read permission]
@@ -309,7 +304,7 @@ def _fetch(config: "Config", target: "Target", call) -> tuple[Any, Any, str]:
             for key in meta.references:
                 if key not in references:
                     references[key] = fetch_entry(key, [conn])
-            return _rebuild(conn, reply, skeleton, references), meta, request.key
+            return _rebuild(conn, reply, skeleton, references, meta), meta, request.key
         except retry as err:
             # A connection the server closed while idle, or an entry evicted between its reply and
             # our open of its segments (Note [A segment is opened by identity] in overmind.client.connection):

@@ -238,7 +238,7 @@ def new_module_names(seen: set) -> list:
 def report_imports(conn) -> None:
     """Note [Teaching the interpreter while importing]."""
     from overmind.shared import protocol as P
-    from overmind.client.cache import context as _context
+    from overmind.shared.contexts import caller_context
 
     seen: set = set()
     deadline = time.monotonic() + REPORT_FOR
@@ -249,7 +249,7 @@ def report_imports(conn) -> None:
             count = len(sys.modules)
             new = new_module_names(seen)
             if new:
-                conn.simple(P.Prepare(_context(), modules=new), P.Ok)
+                conn.simple(P.Prepare(caller_context(), modules=new), P.Ok)
         if last:
             return
 

@@ -109,6 +109,7 @@ def hand_off_script(frame) -> None:
         logger.debug("OVERMIND_WARM_START: running here: %s", reason)
         return
     from overmind.shared import handoff
+    from overmind.shared.contexts import RunSpec
     from overmind.shared.config import Config, ConfigError
 
     try:
@@ -117,7 +118,7 @@ def hand_off_script(frame) -> None:
         logger.debug("OVERMIND_WARM_START: running here: %s", err)
         return
     mode, target, args = _command()
-    started = handoff.hand_off(sys.executable, handoff.run_spec(mode, target, args), config)
+    started = handoff.hand_off(sys.executable, RunSpec.of_caller(mode, target, args), config)
     if started is None:
         return
     sys.stdout.flush()

@@ -133,9 +133,10 @@ def main(argv: list[str]) -> int:
         except ConfigError as err:
             print(f"overmind run: {err}; running plainly", file=sys.stderr)
         else:
-            from overmind.shared.handoff import hand_off, run_spec
+            from overmind.shared.contexts import RunSpec
+            from overmind.shared.handoff import hand_off
 
-            started = hand_off(python, run_spec(mode, target, args), config)
+            started = hand_off(python, RunSpec.of_caller(mode, target, args), config)
     if started is None:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,6 +1,6 @@
 """Load requests: a hit, or a miss whose fill runs behind the caller. Server side, stdlib only.
 
-    loads = ColdLoads(config, registry, loader_pool, history)   # one per overmind.server.daemon.Server
+    loads = ColdLoads(config, registry, pool, history)   # one per overmind.server.daemon.Server
     loads.load(conn, request, blob, pid)      # a Load message: Entry, Pending or Error on conn
     loads.plain_loaded(message)               # a PlainLoaded message (no answer)
     loads.send_fds(conn, message)             # GetFds; loads.prefetch(conn, message, pid): Prefetch
@@ -27,7 +27,7 @@ from collections import OrderedDict
 from overmind.shared import protocol as P
 from overmind.shared.config import Config
 from overmind.server.fill_priority import Fill
-from overmind.server.pool import LoaderPool, LoadFailure, context_from_wire
+from overmind.server.pool import WarmPool, LoadFailure, context_from_wire
 from overmind.server.programs import ProgramHistory
 from overmind.server.registry import CacheEntry, Flight, Registry, Reply, TooLarge
 
@@ -89,10 +89,10 @@ def reply_error(conn: socket.socket, code: int, message: str, tb: str = "") -> N
 class ColdLoads:
     """Every Load request of every connection, and the fills the misses start."""
 
-    def __init__(self, config: Config, registry: Registry, loaders: LoaderPool, history: ProgramHistory) -> None:
+    def __init__(self, config: Config, registry: Registry, pool: WarmPool, history: ProgramHistory) -> None:
         self.config = config
         self.registry = registry
-        self.loaders = loaders
+        self.pool = pool
         self.history = history  # Note [Prefetch] in overmind.client.prefetch
         self.load_slots = threading.BoundedSemaphore(config.workers)
         self.plain_seconds: "OrderedDict[str, float]" = OrderedDict()  # Note [Joining a fill]
@@ -129,14 +129,14 @@ class ColdLoads:
         if isinstance(message.key, str) and len(message.key) <= MAX_KEY and 0 <= message.seconds < 1e6:
             self.plain_seconds.pop(message.key, None)
             self.plain_seconds[message.key] = float(message.seconds)
-            self.loaders.fills.caller_loaded(message.key)  # Note [Cold fills wait for their caller]
+            self.pool.caller_loaded(message.key)  # Note [Cold fills wait for their caller]
             while len(self.plain_seconds) > MAX_PLAIN_SECONDS:
                 self.plain_seconds.popitem(last=False)
 
 
     @staticmethod
     def _send_entry(conn: socket.socket, reply: Reply, hit: bool) -> None:
-        P.send_message(conn, P.Entry(reply.key, os.getpid(), reply.handles, reply.nbytes, hit, reply.meta),
+        P.send_message(conn, P.Entry(reply.key, os.getpid(), reply.handles, reply.nbytes, hit, reply.meta.to_dict()),
                        reply.skeleton)
 
     @staticmethod
@@ -167,7 +167,7 @@ class ColdLoads:
         plain = self.plain_seconds.get(request.key)
         if request.wait or request.lookup_only or plain is None:
             return 0.0
-        progress = self.loaders.fills.remaining(request.key)
+        progress = self.pool.fill_remaining(request.key)
         if progress is None:
             logger.info("pid %d loads %s plainly: its fill has not begun to pack", pid, request.key[:16])
             return 0.0
@@ -205,7 +205,7 @@ class ColdLoads:
             return reply_error(conn, P.ErrorCode.NOT_FOUND, f"no entry {request.key}")
         if admission.started:
             # Note [Cold fills yield to their caller] in overmind.server.fill_priority
-            fill = self.loaders.fills.begin(request.key, background=not request.wait, caller=pid)
+            fill = self.pool.begin_fill(request.key, background=not request.wait, caller=pid)
             threading.Thread(target=self._fly, args=(flight, request, blob, pid, fill), daemon=True,
                              name="overmind-load").start()
         join = 0.0 if admission.started else self._joins(request, pid)
@@ -213,7 +213,7 @@ class ColdLoads:
             return P.send_message(conn, P.Pending(request.key, True, ""))
         # Answer at once that we are alive and loading; the entry follows (Pending.waiting).
         P.send_message(conn, P.Pending(request.key, True, "", waiting=True))
-        with self.loaders.fills.waiting(request.key, pid):  # it lends the fill its priority
+        with self.pool.lend_to_fill(request.key, pid):  # it lends the fill its priority
             done = flight.done.wait(join or self.config.loader_timeout + 60)
         if join:
             self.joined += 1
@@ -243,7 +243,7 @@ class ColdLoads:
             logger.exception("load of %s failed inside the server", request.key)
             flight.error = P.Error(P.ErrorCode.INTERNAL, f"server error: {err}")
         finally:
-            self.loaders.fills.end(fill)
+            self.pool.end_fill(fill)
             if flight.error is not None and flight.error.code == P.ErrorCode.NOT_REBUILDABLE:
                 self.not_cacheable += 1  # not a fault: Note [Results that cannot be rebuilt] in overmind.shared.quirks
                 logger.info("not caching %s: %s", request.key[:16], flight.error.message[:300])
@@ -267,7 +267,7 @@ class ColdLoads:
                     raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"more than {MAX_LIST} entries referred to")
                 reply, fds = self._reference(key, fill, deadline)
                 handed.append((reply, fds))
-                pending += P.LoadMeta.from_wire(reply.meta).references
+                pending += reply.meta.references
             return handed
         except BaseException:
             for _, fds in handed:
@@ -281,7 +281,7 @@ class ColdLoads:
                 return found
             admission = self.registry.begin(key, lookup_only=True)
             if admission.flight is not None:
-                with self.loaders.fills.depends(fill, key):  # it lends the fill our priority, if we have it
+                with self.pool.fill_depends(fill, key):  # it lends the fill our priority, if we have it
                     if not admission.flight.done.wait(max(deadline - time.monotonic(), 0.0)):
                         raise LoadFailure(P.ErrorCode.LOADER_TIMEOUT, f"gave up waiting for {key[:16]}, "
                                           "an entry this load refers to")
@@ -290,13 +290,13 @@ class ColdLoads:
 
     def _run_load(self, request: P.Load, blob: bytes, pid: int, fill: Fill) -> CacheEntry:
         context, cwd, sys_path = context_from_wire(request.context)
-        self.loaders.fills.after_caller(fill)  # Note [Cold fills wait for their caller] in overmind.server.fill_priority
+        self.pool.after_caller(fill)  # Note [Cold fills wait for their caller] in overmind.server.fill_priority
         references = self._references(request, fill)
         started = time.monotonic()
         try:
             with self.load_slots:
                 logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)
-                result, skeleton, fds = self.loaders.run(request.key, context, cwd, sys_path, blob, request.modules,
+                result, skeleton, fds = self.pool.load(request.key, context, cwd, sys_path, blob, request.modules,
                                                          fill=fill, references=references,
                                                          contents=self.registry.content_index())
         finally:
@@ -317,7 +317,7 @@ class ColdLoads:
         meta.load_seconds = time.monotonic() - started
         contents, meta.contents = meta.contents, []  # kept by the registry, not sent to every client
         entry = CacheEntry(request.key, request.target, request.description, skeleton, slots, result.nbytes,
-                           list(result.refs), meta.to_dict(), contents=contents)
+                           list(result.refs), meta, contents=contents)
         try:
             evicted = self.registry.add(entry)
         except TooLarge as err:

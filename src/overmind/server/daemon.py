@@ -37,7 +37,7 @@ from overmind.shared import protocol as P
 from overmind.shared.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
                              write_runtime_file)
 from overmind.server.cold_loads import MAX_TEXT, ColdLoads, reply_error
-from overmind.server.pool import LoaderPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
+from overmind.server.pool import WarmPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
 from overmind.server.programs import ProgramHistory
 from overmind.server.registry import Registry
 
@@ -64,7 +64,7 @@ HANDSHAKE_TIMEOUT = 5.0
 FRAME_TIMEOUT = 30.0
 IDLE_TIMEOUT = 600.0
 SOCKET_CHECK_INTERVAL = 0.5
-HOUSEKEEPING_INTERVAL = 10.0  # warm interpreters: idle time and memory (LoaderPool.housekeeping)
+HOUSEKEEPING_INTERVAL = 10.0  # warm interpreters: idle time and memory (WarmPool.housekeeping)
 PEER_ROLES = ("client", "cli", "run")  # what Hello.role says; a loader never connects (Note [The loader is handed its references] in overmind.server.cold_loads)
 
 class AlreadyRunning(ConfigError):
@@ -82,7 +82,7 @@ class Server:
         self.started = time.time()
         self.stopping = threading.Event()
         self.listener: Optional[socket.socket] = None
-        self.loaders = LoaderPool(config)
+        self.pool = WarmPool(config)
         self.active = 0  # requests being served
         self.connections = 0  # connection threads alive: Note [Every peer is bounded]
         self.peers: dict[str, int] = {}  # handshakes by the role the peer gave (one of PEER_ROLES, or "other")
@@ -93,7 +93,7 @@ class Server:
         self.socket_rebinds = 0
         self.runs = 0
         self.history = ProgramHistory()  # Note [Prefetch] in overmind.client.prefetch
-        self.loads = ColdLoads(config, self.registry, self.loaders, self.history)
+        self.loads = ColdLoads(config, self.registry, self.pool, self.history)
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 
@@ -171,7 +171,7 @@ class Server:
                 self._check_socket()
                 if time.monotonic() - last_housekeeping >= HOUSEKEEPING_INTERVAL:
                     last_housekeeping = time.monotonic()
-                    threading.Thread(target=self.loaders.housekeeping, daemon=True, name="overmind-housekeeping").start()
+                    threading.Thread(target=self.pool.housekeeping, daemon=True, name="overmind-housekeeping").start()
             try:
                 conn, _ = self.listener.accept()
             except socket.timeout:
@@ -211,7 +211,7 @@ class Server:
                 if self.active == 0:
                     break
             time.sleep(0.05)
-        self.loaders.close()
+        self.pool.close()
         self.registry.clear()
         try:
             st = os.lstat(self.config.socket_path)
@@ -301,9 +301,6 @@ class Server:
             self.loads.load(conn, message, blob, pid)
         elif isinstance(message, P.GetFds):
             self.loads.send_fds(conn, message)
-        elif isinstance(message, P.GetContents):
-            index = self.registry.content_index()
-            P.send_message(conn, P.Contents(len(index["regions"])), json.dumps(index).encode())
         elif isinstance(message, P.Status):
             P.send_message(conn, P.StatusReply(self.status()))
         elif isinstance(message, P.ListEntries):
@@ -321,7 +318,7 @@ class Server:
                 modules = ColdLoads.check_modules(message.modules)
             except LoadFailure as failure:
                 return reply_error(conn, failure.code, failure.message)
-            threading.Thread(target=self.loaders.prepare, args=(context, modules), daemon=True,
+            threading.Thread(target=self.pool.prepare, args=(context, modules), daemon=True,
                              name="overmind-prepare").start()
             P.send_message(conn, P.Ok())
         elif isinstance(message, P.PlainLoaded):  # no answer: the client does not wait for one
@@ -342,7 +339,7 @@ class Server:
             if len(fds) != 3:
                 raise RunRefused(f"a run brings its stdin, stdout and stderr, not {len(fds)} fds")
             context, spec = run_from_wire(message.context, message.spec)
-            child = self.loaders.fork_run(context, spec, [*fds, conn.fileno()])
+            child = self.pool.fork_run(context, spec, [*fds, conn.fileno()])
         except (RunRefused, LoadFailure) as why:
             reason = why.message if isinstance(why, LoadFailure) else str(why)
             logger.info("run for pid %d goes plain: %s", pid, reason)
@@ -361,8 +358,8 @@ class Server:
                 "socket": str(self.config.socket_path), "socket_rebinds": self.socket_rebinds, "runs": self.runs,
                 "torch_imported": "torch" in sys.modules}
         info["bytes"] = info["used"] = self.registry.used()
-        info["loaders"] = self.loaders.describe()
-        info["settling"] = self.loaders.settling  # Note [Huge pages for segments] in overmind.shared.memfd
+        info["loaders"] = self.pool.describe()
+        info["settling"] = self.pool.settling()  # Note [Huge pages for segments] in overmind.shared.memfd
         info.update(self.loads.counters())  # Note [Joining a fill] in overmind.server.cold_loads
         return info
 

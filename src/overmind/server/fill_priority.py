@@ -1,6 +1,6 @@
 """CPU priority of cache fills: a fill nobody waits for keeps out of its caller's way. Stdlib only.
 
-    fills = FillPriorities(config)             # one per server (overmind.server.pool.LoaderPool.fills)
+    fills = FillPriorities(config)             # one per server (owned by overmind.server.pool.WarmPool)
     fill = fills.begin(key, background=True, caller=pid)
     fills.after_caller(fill)                   # waits while the caller's own load runs
     fills.forked(fill, loader_pid)             # SCHED_IDLE for every thread of the loader

@@ -1,11 +1,11 @@
 """Server side of warm interpreters: one per client context, for loads and runs. Standard library only.
 
-    pool = LoaderPool(config)
-    result, skeleton, fds = pool.run(key, context, cwd, sys_path, blob)   # a cold load
+    pool = WarmPool(config)
+    result, skeleton, fds = pool.load(key, context, cwd, sys_path, blob)   # a cold load
     pid = pool.fork_run(context, spec, [stdin, stdout, stderr, conn])      # overmind run
 
 A *context* is the interpreter and the environment that can change an import. For each
-the server keeps a warm interpreter (``overmind.warm.interpreter``, a "zygote") that imported torch
+the server keeps a warm interpreter (``overmind.warm.interpreter``) that imported torch
 and the installed modules the context's earlier loads and runs imported, and forks one
 child per cold load (``overmind.warm.loader``) or run (``overmind.warm.child``). A cold load thus
 pays neither interpreter start-up nor library imports, and a run starts in a fork. The
@@ -13,8 +13,8 @@ pool is bounded in count (``OVERMIND_WARM_MAX``), memory (``OVERMIND_WARM_MEMORY
 and idle time (``OVERMIND_WARM_IDLE``); retiring an interpreter never kills a load or run
 in progress (Note [Retiring never kills work] in overmind.warm.interpreter).
 
-Note [Zygotes never touch CUDA]
-A process that initialised CUDA cannot fork usable children, so the zygote only
+Note [Warm interpreters never touch CUDA]
+A process that initialised CUDA cannot fork usable children, so the interpreter only
 imports; the forked child may use the GPU (bitsandbytes quantisation, ``.to('cuda')``)
 and exits afterwards, taking its CUDA context with it. The server itself never
 imports torch at all.
@@ -22,7 +22,6 @@ imports torch at all.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -32,17 +31,17 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from overmind.shared import protocol as P
-from overmind.shared.config import Config, open_runtime_file, selecting_environment
+from overmind.shared.config import Config, open_runtime_file
+from overmind.shared.contexts import Context, RunSpec, load_context_from_wire
 from overmind.server.fill_priority import Fill, FillPriorities
 from overmind.shared.priority import can_lift_idle, every_thread, to_normal
 from overmind.shared.import_env import MAX_NAMES, MAX_PREFIXES, reads_from_wire, select
 
 logger = logging.getLogger("overmind.server.loaders")
 
-__all__ = ["Context", "Fill", "LoaderPool", "LoadFailure", "RunRefused", "context_from_wire", "run_from_wire"]
+__all__ = ["Context", "Fill", "WarmPool", "LoadFailure", "RunRefused", "context_from_wire", "run_from_wire"]
 
 READY_TIMEOUT = 300.0
 FORK_TIMEOUT = 30.0  # a Fork waits at most for one learned module's import (Note [Warm interpreters learn])
@@ -57,73 +56,27 @@ class LoadFailure(Exception):
         self.traceback = traceback
 
 
-@dataclass(frozen=True)
-class Context:
-    """Which warm interpreter serves a client: the interpreter and the environment that can
-    change what an import does (Note [Environment that selects an interpreter] in overmind.shared.config).
-    Not the cwd or sys.path: a warm interpreter holds only installed code (Note [Warm
-    interpreters] in overmind.warm.interpreter); each load or run brings its own."""
-
-    python: str
-    env: tuple  # sorted (name, value) pairs
-    # The key of the context before the names its interpreters' imports read were added to env
-    # (Note [Settings an import read] in overmind.shared.import_env); "": this is that context.
-    family: str = field(default="", compare=False)
-
-    @property
-    def lineage(self) -> str:
-        """What this context's variants share: what to pre-import, what their imports read."""
-        return self.family or self.key
-
-    @property
-    def key(self) -> str:
-        # .venv/bin/python and .venv/bin/python3 are one interpreter with one venv: the folder
-        # (where a venv is found) and the binary the name resolves to, not the name.
-        python = [os.path.dirname(self.python), os.path.realpath(self.python)]
-        raw = json.dumps([python, list(self.env)]).encode()
-        return hashlib.sha256(raw).hexdigest()[:16]
-
-
-def _check_context(data: dict) -> Context:
+def context_from_wire(data: object) -> tuple[Context, str, list]:
+    """A load's context, cwd and sys.path (overmind.shared.contexts), or LoadFailure."""
     try:
-        python, env = data["python"], data["env"]
-    except (KeyError, TypeError):
-        raise LoadFailure(P.ErrorCode.BAD_REQUEST, "context needs python and env") from None
-    if not (isinstance(python, str) and os.path.isabs(python) and os.access(python, os.X_OK)):
-        raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"context python {python!r} is not an executable absolute path")
-    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-        raise LoadFailure(P.ErrorCode.BAD_REQUEST, "context env must map strings to strings")
-    kept = selecting_environment(env)
-    return Context(python, tuple(sorted(kept.items())))
+        return load_context_from_wire(data)
+    except ValueError as err:
+        raise LoadFailure(P.ErrorCode.BAD_REQUEST, str(err)) from None
 
 
-def context_from_wire(data: dict) -> tuple[Context, str, list]:
-    """A load's context, its cwd and sys.path, validated (Note [Frames are untrusted] in overmind.shared.protocol)."""
-    context = _check_context(data)
-    cwd, sys_path = data.get("cwd"), data.get("sys_path")
-    if not (isinstance(cwd, str) and os.path.isdir(cwd)):
-        raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"context cwd {cwd!r} is not a directory")
-    if not (isinstance(sys_path, list) and all(isinstance(p, str) for p in sys_path)):
-        raise LoadFailure(P.ErrorCode.BAD_REQUEST, "context sys_path must be a list of strings")
-    return context, cwd, sys_path
-
-
-def run_from_wire(context: dict, spec: dict) -> tuple[Context, dict]:
-    """A run's context and spec, validated; the spec's details are overmind.warm.child's to check."""
-    ctx = _check_context(context)
-    if not isinstance(spec, dict) or spec.get("mode") not in ("script", "module", "code") or \
-            not isinstance(spec.get("target"), str) or not isinstance(spec.get("cwd"), str) or \
-            not isinstance(spec.get("argv"), list) or not isinstance(spec.get("env"), dict) or \
-            not isinstance(spec.get("umask"), int):
-        raise LoadFailure(P.ErrorCode.BAD_REQUEST, "a run needs mode, target, argv, cwd, env and umask")
-    return ctx, spec
+def run_from_wire(context: object, spec: object) -> tuple[Context, RunSpec]:
+    """A run's context and spec (overmind.shared.contexts), or LoadFailure."""
+    try:
+        return Context.from_wire(context), RunSpec.from_wire(spec)
+    except ValueError as err:
+        raise LoadFailure(P.ErrorCode.BAD_REQUEST, str(err)) from None
 
 
 class RunRefused(Exception):
     """No warm run now; the front end runs plainly (Note [Never worse than plain python] in overmind.frontend.run)."""
 
 
-class Zygote:
+class WarmProcess:
     """One warm interpreter for a context (overmind.warm.interpreter); forks a child per load or run."""
 
     def __init__(self, context: Context, config: Config, modules: list, refused: list = (), on_reads=None) -> None:
@@ -133,7 +86,7 @@ class Zygote:
         env = dict(context.env)
         env["OVERMIND_DISABLE"] = "1"  # a warm interpreter calls originals; it never patches
         env["OVERMIND_RUNTIME_DIR"] = str(config.runtime_dir)
-        code = f"from overmind.warm.interpreter import zygote_main; zygote_main({theirs.fileno()})"
+        code = f"from overmind.warm.interpreter import interpreter_main; interpreter_main({theirs.fileno()})"
         log = os.fdopen(open_runtime_file(config.log_path, os.O_WRONLY | os.O_APPEND), "ab")
         try:
             self.proc = subprocess.Popen(
@@ -231,8 +184,8 @@ class Zygote:
         self.jobs += 1
         return ours, started.pid
 
-    def fork_run(self, spec: dict, fds: list[int]) -> int:
-        started = self._start(P.Fork(spec), b"", fds, FORK_TIMEOUT)
+    def fork_run(self, spec: RunSpec, fds: list[int]) -> int:
+        started = self._start(P.Fork(spec.to_wire()), b"", fds, FORK_TIMEOUT)
         self.runs += 1
         return started.pid
 
@@ -271,30 +224,31 @@ class Zygote:
         self.retire()
 
 
-class LoaderPool:
+class WarmPool:
     """The warm interpreters, one per context, bounded in count, memory and idle time."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.lock = threading.Lock()
-        self.fills = FillPriorities(config)  # Note [Cold fills yield to their caller] in overmind.server.fill_priority
-        self.zygotes: "OrderedDict[str, Zygote]" = OrderedDict()
+        self._fills = FillPriorities(config)  # Note [Cold fills yield to their caller] in overmind.server.fill_priority
+        self.interpreters: "OrderedDict[str, WarmProcess]" = OrderedDict()
         self.learned: dict[str, list] = {}  # context key -> installed modules its runs and loads imported
         self.refused: dict[str, set] = {}  # context key -> modules that started a thread when imported
         # context lineage -> (names, prefixes) its interpreters' imports read: Note [Settings an import read]
         self.reads: dict[str, tuple[set, set]] = {}
         self.reads_lock = threading.Lock()
         self.retired = 0
-        self.settling = 0  # loaders that answered and still rebuild their segments (see _settle)
+        self._settling = _Settling()
 
     def _modules_for(self, context: Context) -> list:
         """What the lineage learned, its live interpreters' lessons included: a variant keyed on
         another value of a variable read at import starts as warm as they are."""
         known = list(self.learned.get(context.lineage, ()))
         refused = self.refused.get(context.lineage, set())
-        for zygote in self.zygotes.values():
-            if zygote.context.lineage == context.lineage:
-                known += [n for n in [*zygote.imported, *zygote.learned] if n not in known and n not in refused]
+        for interpreter in self.interpreters.values():
+            if interpreter.context.lineage == context.lineage:
+                known += [n for n in [*interpreter.imported, *interpreter.learned]
+                          if n not in known and n not in refused]
         return known[:MAX_LEARNED]
 
     def _heard_reads(self, context: Context, names: list, prefixes: list) -> None:
@@ -313,45 +267,45 @@ class LoaderPool:
         merged = {**dict(context.env), **chosen}
         return Context(context.python, tuple(sorted(merged.items())), family=context.lineage)
 
-    def _remember(self, zygote: Zygote) -> None:
-        known = self.learned.setdefault(zygote.context.lineage, [])
-        for name in [*zygote.imported, *zygote.learned]:
+    def _remember(self, interpreter: WarmProcess) -> None:
+        known = self.learned.setdefault(interpreter.context.lineage, [])
+        for name in [*interpreter.imported, *interpreter.learned]:
             if name not in known and len(known) < MAX_LEARNED:
                 known.append(name)
-        refused = self.refused.setdefault(zygote.context.lineage, set())
-        refused.update(zygote.refused)
+        refused = self.refused.setdefault(interpreter.context.lineage, set())
+        refused.update(interpreter.refused)
         known[:] = [name for name in known if name not in refused]
 
-    def _zygote(self, context: Context, create: bool = True) -> Zygote | None:
+    def _interpreter(self, context: Context, create: bool = True) -> WarmProcess | None:
         with self.lock:
-            zygote = self.zygotes.get(context.key)
-            if zygote is not None and not zygote.alive:
+            interpreter = self.interpreters.get(context.key)
+            if interpreter is not None and not interpreter.alive:
                 logger.warning("warm interpreter %d for context %s died (exit %s); starting another",
-                               zygote.proc.pid, context.key, zygote.proc.returncode)
-                del self.zygotes[context.key]
-                zygote.retire()
-                zygote = None
-            if zygote is None and create:
-                zygote = self.zygotes[context.key] = Zygote(context, self.config, self._modules_for(context),
-                                                            sorted(self.refused.get(context.lineage, ())),
-                                                            on_reads=self._heard_reads)
-            if zygote is not None:
-                self.zygotes.move_to_end(context.key)
+                               interpreter.proc.pid, context.key, interpreter.proc.returncode)
+                del self.interpreters[context.key]
+                interpreter.retire()
+                interpreter = None
+            if interpreter is None and create:
+                interpreter = self.interpreters[context.key] = WarmProcess(
+                    context, self.config, self._modules_for(context), sorted(self.refused.get(context.lineage, ())),
+                    on_reads=self._heard_reads)
+            if interpreter is not None:
+                self.interpreters.move_to_end(context.key)
             victims = []
-            while len(self.zygotes) > self.config.warm_max:
-                victims.append(self.zygotes.popitem(last=False)[1])
+            while len(self.interpreters) > self.config.warm_max:
+                victims.append(self.interpreters.popitem(last=False)[1])
         for victim in victims:
             self._retire(victim, "over OVERMIND_WARM_MAX")
-        return zygote
+        return interpreter
 
-    def _retire(self, zygote: Zygote, why: str) -> None:
+    def _retire(self, interpreter: WarmProcess, why: str) -> None:
         with self.lock:
-            if self.zygotes.get(zygote.context.key) is zygote:
-                del self.zygotes[zygote.context.key]
-            self._remember(zygote)
+            if self.interpreters.get(interpreter.context.key) is interpreter:
+                del self.interpreters[interpreter.context.key]
+            self._remember(interpreter)
             self.retired += 1
-        logger.info("retiring warm interpreter %d (%s)", zygote.proc.pid, why)
-        zygote.retire()
+        logger.info("retiring warm interpreter %d (%s)", interpreter.proc.pid, why)
+        interpreter.retire()
 
     def prepare(self, context: Context, modules: list = ()) -> None:
         """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all()),
@@ -363,58 +317,58 @@ class LoaderPool:
                     known = self.learned.setdefault(context.lineage, [])
                     seen = set(known)
                     known.extend(n for n in modules if n not in seen and len(known) < MAX_LEARNED)
-            zygote = self._zygote(context)
-            with zygote.lock:
-                if not zygote.ready and not zygote.retired:
-                    zygote._wait_ready()
-                if modules and not zygote.retired:
-                    P.send_message(zygote.sock, P.Warm(list(modules)))
+            interpreter = self._interpreter(context)
+            with interpreter.lock:
+                if not interpreter.ready and not interpreter.retired:
+                    interpreter._wait_ready()
+                if modules and not interpreter.retired:
+                    P.send_message(interpreter.sock, P.Warm(list(modules)))
         except Exception as err:  # a later load retries and reports properly
             logger.warning("preparing a warm interpreter for context %s failed: %s", context.key, err)
 
-    def run(self, key: str, context: Context, cwd: str, sys_path: list, blob: bytes, modules: list = (),
+    def load(self, key: str, context: Context, cwd: str, sys_path: list, blob: bytes, modules: list = (),
             fill: Fill | None = None, references: list = (), contents: dict | None = None
             ) -> tuple[P.JobResult, bytes, list[int]]:
         """Run one load; returns (result, skeleton, segment fds) or raises LoadFailure. ``fill``
-        (from ``fills.begin``) sets its priority (Note [Cold fills yield to their caller] in
+        (from ``begin_fill``) sets its priority (Note [Cold fills yield to their caller] in
         overmind.server.fill_priority). ``references``: (registry Reply, segment fds) of the entries
         the call refers to, and ``contents`` the content index, handed to the loader (Note [The
         loader is handed its references] in overmind.server.cold_loads); the fds stay the caller's."""
         fill = fill or Fill(key, background=False)
         for attempt in (1, 2):
             try:
-                zygote = self._zygote(context)
+                interpreter = self._interpreter(context)
             except OSError as err:  # the interpreter cannot be executed at all
                 raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
                                   f"could not start a loader with {context.python}: {err}") from None
             try:
-                job, pid = zygote.start_job(key, blob, list(modules), sys_path, cwd)
+                job, pid = interpreter.start_job(key, blob, list(modules), sys_path, cwd)
                 break
             except (OSError, EOFError, P.ProtocolError, P.RemoteError, RunRefused) as err:
-                logger.warning("warm interpreter %d could not start job %s: %s", zygote.proc.pid, key[:16], err)
-                ended = "" if zygote.ready else zygote.exit_note()
-                if zygote.ready:
-                    self._retire(zygote, str(err))
+                logger.warning("warm interpreter %d could not start job %s: %s", interpreter.proc.pid, key[:16], err)
+                ended = "" if interpreter.ready else interpreter.exit_note()
+                if interpreter.ready:
+                    self._retire(interpreter, str(err))
                 else:
-                    self._discard(zygote)
+                    self._discard(interpreter)
                 if attempt == 2:
                     raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
                                       f"could not start a loader: {ended or f'{context.python}: {err}'}; "
                                       f"see {self.config.log_path}") from None
-        self.fills.forked(fill, pid)
+        self._fills.forked(fill, pid)
         answered = False
         try:
             deadline = time.monotonic() + self.config.loader_timeout
             try:
                 job.settimeout(self.config.loader_timeout)  # a loader that stops reading is killed below
                 for reply, fds in references:
-                    P.send_message(job, P.Entry(reply.key, os.getpid(), reply.handles, reply.nbytes, True, reply.meta),
+                    P.send_message(job, P.Entry(reply.key, os.getpid(), reply.handles, reply.nbytes, True, reply.meta.to_dict()),
                                    reply.skeleton, fds=fds)
                 index = {**(contents or {"keys": [], "handles": [], "regions": []}), "server_pid": os.getpid()}
                 P.send_message(job, P.Contents(len(index["regions"])), json.dumps(index).encode())
                 P.send_message(job, P.Ok())
                 while True:
-                    self.fills.wait_answer(job, fill, deadline)
+                    self._fills.wait_answer(job, fill, deadline)
                     job.settimeout(max(deadline - time.monotonic(), 0.001))
                     message, skeleton, fds = P.recv_message(job)
                     if not isinstance(message, P.FillProgress):
@@ -423,20 +377,20 @@ class LoaderPool:
                             not 0 <= message.expected <= 1 << 50 or not 0 <= message.original_seconds < 1e6:
                         P.close_fds(fds)
                         raise P.ProtocolError(f"malformed progress report {message!r}")
-                    self.fills.progress(fill, message.written, message.expected, message.original_seconds)
+                    self._fills.progress(fill, message.written, message.expected, message.original_seconds)
             except socket.timeout:
-                self._kill(pid)
+                _kill(pid)
                 raise LoadFailure(P.ErrorCode.LOADER_TIMEOUT,
                                   f"loader pid {pid} exceeded OVERMIND_LOADER_TIMEOUT={self.config.loader_timeout:g}s "
                                   "and was killed") from None
             except (EOFError, P.ProtocolError, ConnectionResetError, BrokenPipeError) as err:
-                self._kill(pid)
+                _kill(pid)
                 raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
                                   f"loader pid {pid} died before answering ({err}); a crash or a kill "
                                   f"(out of memory?); see {self.config.log_path}") from None
             if isinstance(message, P.JobResult):
                 answered = True
-                self._settle(job, pid)
+                self._settling.add(job, pid, self.config.loader_timeout)
         finally:
             if not answered:
                 job.close()
@@ -449,52 +403,62 @@ class LoaderPool:
             raise LoadFailure(P.ErrorCode.INTERNAL, f"malformed answer from loader pid {pid}")
         return message, skeleton, fds
 
-    def _settle(self, job: socket.socket, pid: int) -> None:
-        """A loader that answered may still rebuild its segments out of huge pages (Note [Huge
-        pages for segments] in overmind.shared.memfd); it is ``settling`` in the status until it exits
-        (EOF on its job socket), so a benchmark can wait for the machine to be quiet."""
-        with self.lock:
-            self.settling += 1
+    # Its fills, as cold loads ask for them: Note [Cold fills yield to their caller] in
+    # overmind.server.fill_priority, Note [Joining a fill] in overmind.server.cold_loads.
 
-        def wait_for_exit() -> None:
-            try:
-                job.settimeout(self.config.loader_timeout)
-                while job.recv(4096):
-                    pass  # a loader sends nothing more; whatever comes is dropped
-            except OSError:
-                pass
-            finally:
-                job.close()
-                with self.lock:
-                    self.settling -= 1
+    def begin_fill(self, key: str, background: bool, caller: int) -> Fill:
+        return self._fills.begin(key, background, caller)
 
-        threading.Thread(target=wait_for_exit, daemon=True, name=f"overmind-settle-{pid}").start()
+    def end_fill(self, fill: Fill) -> None:
+        self._fills.end(fill)
 
-    def fork_run(self, context: Context, spec: dict, fds: list[int]) -> int:
+    def after_caller(self, fill: Fill) -> None:
+        """Until the caller that missed is done with its own load: Note [Cold fills wait for their caller]."""
+        self._fills.after_caller(fill)
+
+    def caller_loaded(self, key: str) -> None:
+        self._fills.caller_loaded(key)
+
+    def fill_remaining(self, key: str) -> tuple[float, Fill] | None:
+        return self._fills.remaining(key)
+
+    def lend_to_fill(self, key: str, waiter: int):
+        """A block in which process ``waiter`` waits for the fill of ``key``: it runs at normal priority."""
+        return self._fills.waiting(key, waiter)
+
+    def fill_depends(self, fill: Fill, key: str):
+        """A block in which ``fill`` waits for the fill of ``key``, an entry its call refers to."""
+        return self._fills.depends(fill, key)
+
+    def settling(self) -> int:
+        """Loaders that answered and still rebuild their segments (``_Settling``)."""
+        return self._settling.count
+
+    def fork_run(self, context: Context, spec: RunSpec, fds: list[int]) -> int:
         """Fork a run from the context's ready interpreter; its pid, or RunRefused (and one is
         made ready for next time)."""
-        base, context = context, self.with_reads(context, spec.get("env"))
-        zygote = self._zygote(context, create=False)
-        if zygote is None or not zygote.ready:
-            if zygote is None:
+        base, context = context, self.with_reads(context, spec.env)
+        interpreter = self._interpreter(context, create=False)
+        if interpreter is None or not interpreter.ready:
+            if interpreter is None:
                 threading.Thread(target=self.prepare, args=(context,), daemon=True, name="overmind-prepare").start()
             raise RunRefused("no warm interpreter for this context yet; one is starting")
         try:
-            return zygote.fork_run(spec, fds)
+            return interpreter.fork_run(spec, fds)
         except P.RemoteError as err:
             if err.code == P.ErrorCode.ENV_DIFFERS:  # it told us what its imports read: key on that now
-                again = self.with_reads(base, spec.get("env"))
+                again = self.with_reads(base, spec.env)
                 if again.key != context.key:
                     threading.Thread(target=self.prepare, args=(again,), daemon=True, name="overmind-prepare").start()
                 raise RunRefused(f"{err.message} (Note [Settings an import read]); an interpreter imported "
                                  "under this run's environment is starting") from None
             if err.code != P.ErrorCode.NOT_FORKABLE:
                 raise RunRefused(err.message) from None
-            self._retire(zygote, err.message)
+            self._retire(interpreter, err.message)
             threading.Thread(target=self.prepare, args=(context,), daemon=True, name="overmind-prepare").start()
             raise RunRefused(f"the warm interpreter cannot fork ({err.message}); a fresh one is starting") from None
         except (OSError, EOFError, P.ProtocolError) as err:
-            self._retire(zygote, str(err))
+            self._retire(interpreter, str(err))
             raise RunRefused(f"the warm interpreter failed ({err})") from None
 
     def housekeeping(self) -> None:
@@ -502,48 +466,75 @@ class LoaderPool:
         their memory exceeds OVERMIND_WARM_MEMORY."""
         now = time.time()
         with self.lock:
-            zygotes = list(self.zygotes.values())
-        for zygote in zygotes:
-            if zygote.ready and now - zygote.last_used > self.config.warm_idle:
-                self._retire(zygote, f"idle for {now - zygote.last_used:.0f}s")
+            interpreters = list(self.interpreters.values())
+        for interpreter in interpreters:
+            if interpreter.ready and now - interpreter.last_used > self.config.warm_idle:
+                self._retire(interpreter, f"idle for {now - interpreter.last_used:.0f}s")
         with self.lock:
-            zygotes = list(self.zygotes.values())  # least recently used first
-        sizes = {z.proc.pid: z.pss() for z in zygotes}
+            interpreters = list(self.interpreters.values())  # least recently used first
+        sizes = {z.proc.pid: z.pss() for z in interpreters}
         total = sum(sizes.values())
-        for zygote in zygotes[:-1]:  # the most recent one stays, whatever its size
+        for interpreter in interpreters[:-1]:  # the most recent one stays, whatever its size
             if total <= self.config.warm_memory:
                 break
-            total -= sizes[zygote.proc.pid]
-            self._retire(zygote, "over OVERMIND_WARM_MEMORY")
+            total -= sizes[interpreter.proc.pid]
+            self._retire(interpreter, "over OVERMIND_WARM_MEMORY")
 
-    def _discard(self, zygote: Zygote) -> None:
+    def _discard(self, interpreter: WarmProcess) -> None:
         with self.lock:
-            if self.zygotes.get(zygote.context.key) is zygote:
-                del self.zygotes[zygote.context.key]
-        zygote.kill()
-
-    @staticmethod
-    def _kill(pid: int) -> None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+            if self.interpreters.get(interpreter.context.key) is interpreter:
+                del self.interpreters[interpreter.context.key]
+        interpreter.kill()
 
     def describe(self) -> list:
         now = time.time()
         with self.lock:
-            zygotes = list(self.zygotes.items())
+            interpreters = list(self.interpreters.items())
         return [{"pid": z.proc.pid, "context": k, "python": z.context.python, "ready": z.ready, "alive": z.alive,
                  "modules": z.modules or len(z.imported), "pss": z.pss(), "age": now - z.started,
-                 "idle": now - z.last_used, "jobs": z.jobs, "runs": z.runs} for k, z in zygotes]
+                 "idle": now - z.last_used, "jobs": z.jobs, "runs": z.runs} for k, z in interpreters]
 
     def close(self) -> None:
         with self.lock:
-            zygotes = list(self.zygotes.values())
-            self.zygotes.clear()
-        for zygote in zygotes:
-            if zygote.ready:
-                zygote.retire()
+            interpreters = list(self.interpreters.values())
+            self.interpreters.clear()
+        for interpreter in interpreters:
+            if interpreter.ready:
+                interpreter.retire()
             else:
-                zygote.kill()
+                interpreter.kill()
 
+
+class _Settling:
+    """A loader that answered may still rebuild its segments out of huge pages (Note [Huge
+    pages for segments] in overmind.shared.memfd); it counts here until it exits (EOF on its
+    job socket), so a benchmark can wait for the machine to be quiet (``settling`` in the status)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+
+    def add(self, job: socket.socket, pid: int, timeout: float) -> None:
+        with self.lock:
+            self.count += 1
+
+        def wait_for_exit() -> None:
+            try:
+                job.settimeout(timeout)
+                while job.recv(4096):
+                    pass  # a loader sends nothing more; whatever comes is dropped
+            except OSError:
+                pass
+            finally:
+                job.close()
+                with self.lock:
+                    self.count -= 1
+
+        threading.Thread(target=wait_for_exit, daemon=True, name=f"overmind-settle-{pid}").start()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

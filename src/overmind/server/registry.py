@@ -43,6 +43,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
+from overmind.shared import protocol as P
 from overmind.shared.config import memory_total
 
 logger = logging.getLogger("overmind.server.registry")
@@ -95,7 +96,7 @@ class CacheEntry:
     slots: list  # per segment slot: [fd, size] or None; see Note [Server owns segment fds]
     nbytes: int  # bytes this entry's loader wrote
     refs: list  # keys of entries whose segments this one also maps
-    meta: dict  # overmind.shared.protocol.LoadMeta, as sent
+    meta: P.LoadMeta  # what its loader said of it, validated once (LoadMeta.from_wire)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     hits: int = 0
@@ -134,7 +135,7 @@ class CacheEntry:
         saw? The ctime catches a rewrite in place with the mtime put back (Note [What a
         fingerprint cannot see] in overmind.shared.calls). A record of another shape is from a loader
         that is not ours: stale, so the call loads again rather than trusting it."""
-        for record in self.meta.get("files", ()):
+        for record in self.meta.files:
             if not isinstance(record, list) or len(record) != 6 or not isinstance(record[0], str):
                 return False
             path, size, mtime_ns, ino, dev, ctime_ns = record
@@ -155,7 +156,7 @@ class Reply:
     key: str
     handles: list
     nbytes: int
-    meta: dict
+    meta: P.LoadMeta
     skeleton: bytes
 
 
@@ -414,7 +415,7 @@ class Registry:
                     "key": e.key, "target": e.target, "description": e.description, "bytes": owned + shared,
                     "bytes_owned": owned, "bytes_shared": shared, "skeleton_bytes": len(e.skeleton),
                     "segments": len(e.segments), "hits": e.hits, "created": e.created, "last_used": e.last_used,
-                    "refs": e.refs, "meta": e.meta,
+                    "refs": e.refs, "meta": e.meta.to_dict(),
                 })
             return out
 

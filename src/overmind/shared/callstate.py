@@ -37,7 +37,7 @@ diffusers 0.42, and by the HF test-suite harness ``benchmarks/hf_suites.py``):
   recorded at fill time and replayed on every hit (``overmind.shared.replay``).
 - Environment variables that shape a load (``HF_*``, ``TRANSFORMERS_*``, ...): part of the
   loader's context (``overmind.shared.config.ENV_PREFIXES``), so a different value is another loader.
-- Not handled: CUDA generators (loaders never initialise CUDA, Note [Zygotes never touch
+- Not handled: CUDA generators (loaders never initialise CUDA, Note [Warm interpreters never touch
   CUDA]); a terminal-width-dependent log layout is the loader's (80 columns).
 
 Note [Loads that draw random numbers]

@@ -67,7 +67,7 @@ __all__ = ["Config", "ConfigError", "default_runtime_dir", "ensure_private_dir",
            "extra_patch_points", "flag", "selecting_environment", "ENV_PREFIXES", "ENV_NAMES", "FLAG_SPELLINGS",
            "LOG_LEVELS", "COLD_MODES"]
 
-# Environment a loader inherits from the client (and that selects its zygote).
+# Environment a loader inherits from the client (and that selects its warm interpreter).
 ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "CUDA_", "NVIDIA_", "TORCH_", "PYTORCH_",
                 "OMP_", "MKL_", "BNB_", "ACCELERATE_", "SAFETENSORS_", "TOKENIZERS_", "XDG_", "LC_")
 ENV_NAMES = ("HOME", "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHASHSEED", "VIRTUAL_ENV", "LANG",
@@ -88,7 +88,7 @@ ENV_NAMES = ("HOME", "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYT
 #   list could name (torch._inductor.config reads ~300 TORCHINDUCTOR_*/TORCHDYNAMO_* names and
 #   keeps them; a library may read any name): each interpreter records them while it imports
 #   and tells the server, which adds the caller's values of those names to the context
-#   (LoaderPool.with_reads), and an interpreter forks a run only when the run's values equal
+#   (WarmPool.with_reads), and an interpreter forks a run only when the run's values equal
 #   what its imports read. A caller with other values is served by an interpreter imported
 #   under its own, after one plain run that says why: Note [Settings an import read] in
 #   overmind.shared.import_env.

@@ -3,7 +3,7 @@
 child's status. Standard library only, and light (Note [A light front end] in
 overmind.frontend.run)::
 
-    started = hand_off(sys.executable, run_spec("script", "train.py", ["--epochs", "3"]), config)
+    started = hand_off(sys.executable, RunSpec.of_caller("script", "train.py", ["--epochs", "3"]), config)
     if started is not None:                  # None: run plainly
         exit_like(wait_for(*started))        # never returns
 
@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     import socket
 
     from overmind.shared.config import Config
+    from overmind.shared.contexts import RunSpec
 
-__all__ = ["run_spec", "run_context", "hand_off", "wait_for", "exit_like"]
+__all__ = ["hand_off", "wait_for", "exit_like"]
 
 
 def _signals() -> tuple[tuple, tuple]:
@@ -36,26 +37,7 @@ def _signals() -> tuple[tuple, tuple]:
 START_GRACE = 3.0
 
 
-def run_spec(mode: str, target: str, args: list[str]) -> dict:
-    """What the warm child needs to become ``python <mode> <target> <args>`` (overmind.warm.child.become)."""
-    import signal
-
-    umask = os.umask(0o022)
-    os.umask(umask)
-    # A plain python inherits the dispositions its shell set to SIG_IGN (nohup, `cmd &`).
-    ignored = [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
-               and signal.getsignal(s) == signal.SIG_IGN]
-    return {"mode": mode, "target": target, "argv": list(args), "cwd": os.getcwd(), "env": dict(os.environ),
-            "umask": umask, "ignored_signals": ignored}
-
-
-def run_context(python: str) -> dict:
-    from overmind.shared.config import selecting_environment
-
-    return {"python": os.path.abspath(python), "env": selecting_environment(os.environ)}
-
-
-def hand_off(python: str, spec: dict, config: Config) -> tuple[socket.socket, int] | None:
+def hand_off(python: str, spec: RunSpec, config: Config) -> tuple[socket.socket, int] | None:
     """Ask the server to fork the run; (connection, child pid), or None to run plainly.
 
     The forwarded signals stay blocked from here until :func:`wait_for` can forward them: the
@@ -72,9 +54,10 @@ def hand_off(python: str, spec: dict, config: Config) -> tuple[socket.socket, in
     return started
 
 
-def _hand_off(python: str, spec: dict, config: Config) -> tuple[socket.socket, int] | None:
+def _hand_off(python: str, spec: RunSpec, config: Config) -> tuple[socket.socket, int] | None:
     from overmind.shared import protocol as P
     from overmind.shared.connect import handshake, server_holding, start_server
+    from overmind.shared.contexts import caller_context
 
     try:
         sock, _, _ = handshake(config, "run")
@@ -85,7 +68,7 @@ def _hand_off(python: str, spec: dict, config: Config) -> tuple[socket.socket, i
     except (OSError, P.ProtocolError, P.RemoteError, EOFError):
         return None
     try:
-        P.send_message(sock, P.Run(run_context(python), spec), fds=[0, 1, 2])
+        P.send_message(sock, P.Run(caller_context(python, load=False), spec.to_wire()), fds=[0, 1, 2])
         # A warm interpreter may finish importing one module first (Note [Warm interpreters learn] in
         # overmind.warm.interpreter). Giving up is safe: it forks nothing for a front end that left.
         sock.settimeout(config.reply_timeout + START_GRACE)

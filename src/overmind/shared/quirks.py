@@ -23,8 +23,8 @@ table entry, so it is rebuilt zero-copy over the segment), the class is restored
 ``Tensor._make_subclass`` (which aliases that storage), and the attributes are set
 after the parameter is memoised, so the ``module`` back-reference and any other cycle
 resolve to the same objects. The reducers are registered only once bitsandbytes is
-in ``sys.modules``: importing it probes for CUDA, which a zygote must never do
-(Note [Zygotes never touch CUDA] in ``overmind.server.pool``).
+in ``sys.modules``: importing it probes for CUDA, which a warm interpreter must never do
+(Note [Warm interpreters never touch CUDA] in ``overmind.server.pool``).
 
 Note [Results that cannot be rebuilt]
 Some loads return a model whose weights are not in it: accelerate's offload (``device_map``

@@ -1,6 +1,6 @@
-"""The child side of ``overmind run``: a process forked from a warm zygote becomes ``python SCRIPT``.
+"""The child side of ``overmind run``: a process forked from a warm interpreter becomes ``python SCRIPT``.
 
-A zygote is a long-lived interpreter (started as ``python [options] -c CODE``) that has already
+A warm interpreter is a long-lived interpreter (started as ``python [options] -c CODE``) that has already
 imported torch and the other installed modules of its context. Per run it forks; the child
 calls ``become()`` with the caller's stdio fds and command line, and from then on is, as nearly
 as a forked process can be, the ``python`` the user would have started from their shell::
@@ -12,38 +12,36 @@ as a forked process can be, the ``python`` the user would have started from thei
                     stdin_fd, stdout_fd, stderr_fd)          # never returns
     _, wait_status = os.waitpid(pid, 0)
 
-    warm.installed_modules()   # at the end of a run: what the next zygote should pre-import
+    warm.installed_modules()   # at the end of a run: what the next warm interpreter should pre-import
 
-The spec (JSON types): ``mode`` "script" | "module" | "code"; ``target`` the script path as
-typed (it becomes sys.argv[0]), the module name or the code; ``argv`` the arguments after it;
-``cwd``; ``env`` the whole environment; ``umask``; optional ``ignored_signals``, the numbers of
-the signals the caller's shell ignored (``nohup``, background jobs), which python inherits.
+The spec is a ``RunSpec`` on the wire (overmind.shared.contexts): mode, target, argv, cwd, the
+whole environment, umask and the signals the caller's shell ignored.
 
-What the zygote must do: ``gc.freeze()`` before each fork (a run's garbage collections and its
-exit then never walk, or copy, the zygote's pages); register no atexit callback and configure no
+What the warm interpreter must do: ``gc.freeze()`` before each fork (a run's garbage collections and its
+exit then never walk, or copy, the warm interpreter's pages); register no atexit callback and configure no
 logging handler of its own (the child inherits both); keep no threads.
 
 Note [What a warm run cannot make identical]
 A fork inherits what no Python code can undo; these differ from a fresh ``python``:
-- The string hash seed (PYTHONHASHSEED) is drawn when the zygote starts: ``hash("x")`` and the
-  order of a set of strings repeat in every run of one zygote.
-- ASLR is decided at exec: every run of one zygote has the same library, heap and stack
+- The string hash seed (PYTHONHASHSEED) is drawn when the warm interpreter starts: ``hash("x")`` and the
+  order of a set of strings repeat in every run of one warm interpreter.
+- ASLR is decided at exec: every run of one warm interpreter has the same library, heap and stack
   addresses, so ``id()`` values and default reprs repeat.
 - What CPython reads once, at start: ``sys.flags``, ``sys._xoptions``, ``sys.warnoptions``, the
   filesystem encoding and ``open()``'s UTF-8 mode, sys.path from PYTHONPATH and site. The
-  server keys zygotes on those variables (``ENV_NAMES``: Note [Environment that selects an
+  server keys warm interpreters on those variables (``ENV_NAMES``: Note [Environment that selects an
   interpreter] in overmind.shared.config).
-- Pre-imported modules stay imported, and their import-time work happened in the zygote: its
-  output and warnings went to the zygote's log, module constants read the zygote's environment
+- Pre-imported modules stay imported, and their import-time work happened in the warm interpreter: its
+  output and warnings went to the warm interpreter's log, module constants read the warm interpreter's environment
   (huggingface_hub.constants, libgomp's OMP_NUM_THREADS) and clock (logging's relativeCreated
-  counts from the zygote's import); the server keys zygotes on that environment too. The
+  counts from the warm interpreter's import); the server keys warm interpreters on that environment too. The
   atexit callbacks they registered run at the end of every run, as after the same imports;
-  their weakref.finalize callbacks do not (Note [The zygote's finalizers stay the zygote's]).
-- The parent is the zygote, not the shell. There is no controlling terminal (the zygote left
+  their weakref.finalize callbacks do not (Note [The warm interpreter's finalizers stay the warm interpreter's]).
+- The parent is the warm interpreter, not the shell. There is no controlling terminal (the warm interpreter left
   its session, and the user's terminal is the shell session's), so ``open("/dev/tty")``
-  fails. ``/proc/self/cmdline`` and ``ps`` show the zygote's command line and
-  ``/proc/self/environ`` its first environment; rlimits, nice, cgroup are the zygote's; the
-  signal mask starts empty; fds the zygote holds stay open (close-on-exec, so they never reach
+  fails. ``/proc/self/cmdline`` and ``ps`` show the warm interpreter's command line and
+  ``/proc/self/environ`` its first environment; rlimits, nice, cgroup are the warm interpreter's; the
+  signal mask starts empty; fds the warm interpreter holds stay open (close-on-exec, so they never reach
   a program the run executes).
 - A run whose PYTHONFAULTHANDLER turns faulthandler on turns it on after the signal module
   started: ``signal.getsignal()`` says SIG_DFL, not None, for the signals it catches.
@@ -72,35 +70,22 @@ import sys
 import time
 import traceback
 import types
-from dataclasses import dataclass
 from typing import Callable, NoReturn
 
 from overmind.shared import teardown
+from overmind.shared.contexts import RunSpec
 from overmind.warm import startup
 from overmind.warm.installed import RUN_FOLDERS, installed_modules  # noqa: F401  (installed_modules: re-exported)
 
 __all__ = ["become", "installed_modules"]
 
-_MODES = ("script", "module", "code")
 # Frames of this file are cut from the user's tracebacks: plain python has none above <module>.
 _THIS_FILE = (lambda: None).__code__.co_filename
-# Note [Zygote stdio is never flushed in the child]
-# The zygote's sys.std* objects may hold bytes meant for the zygote's log. Flushed after the
+# Note [Warm interpreter stdio is never flushed in the child]
+# The warm interpreter's sys.std* objects may hold bytes meant for the warm interpreter's log. Flushed after the
 # dup2, or collected (which flushes), they would land in the user's output: the child keeps
 # them alive and untouched here until os._exit.
-_ZYGOTE_STREAMS: list = []
-
-
-@dataclass(frozen=True)
-class _Run:
-    mode: str
-    target: str
-    argv: list[str]
-    cwd: str
-    env: dict[str, str]
-    umask: int
-    ignored_signals: frozenset[int]
-    command: list[str]  # the equivalent plain python's sys.orig_argv
+_INTERPRETER_STREAMS: list = []
 
 
 def become(spec: dict, stdin_fd: int, stdout_fd: int, stderr_fd: int) -> NoReturn:
@@ -108,12 +93,12 @@ def become(spec: dict, stdin_fd: int, stdout_fd: int, stderr_fd: int) -> NoRetur
     status = 1
     try:
         # Note [Signals held during set-up]
-        # The zygote's handlers are the zygote's Python code: run here, they would do the
-        # zygote's work in the user's process. Every signal stays blocked until the user's code
+        # The warm interpreter's handlers are the warm interpreter's Python code: run here, they would do the
+        # warm interpreter's work in the user's process. Every signal stays blocked until the user's code
         # starts; one that arrived meanwhile is delivered then, as to a python just starting.
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         _install_fds(stdin_fd, stdout_fd, stderr_fd)
-        run = _parse_spec(spec)
+        run = RunSpec.from_wire(spec)
         teardown.exit_handled_elsewhere()  # _finalize leaves; monkey_patch_all() adds nothing
         try:
             importer = _prepare(run)
@@ -131,25 +116,10 @@ def become(spec: dict, stdin_fd: int, stdout_fd: int, stderr_fd: int) -> NoRetur
 
 # --------------------------------------------------------------------------- set-up
 
-def _parse_spec(spec: dict) -> _Run:
-    def need(key: str, kind: type) -> object:
-        value = spec.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise ValueError(f"run spec field {key!r} must be {kind.__name__}, got {value!r:.80}")
-        return value
-
-    mode, target, argv, env = need("mode", str), need("target", str), need("argv", list), need("env", dict)
-    if mode not in _MODES or not target:
-        raise ValueError(f"run spec: mode must be one of {_MODES} with a target, got {mode!r}")
-    if not all(isinstance(a, str) for a in argv):
-        raise ValueError("run spec field 'argv' must hold only strings")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        raise ValueError("run spec field 'env' must map strings to strings")
-    ignored = frozenset(int(s) for s in spec.get("ignored_signals") or ())
-    command = [sys.orig_argv[0] if sys.orig_argv else sys.executable, *startup.interpreter_options(),
-               *{"code": ["-c"], "module": ["-m"], "script": []}[mode], target, *argv]
-    return _Run(mode, target, list(argv), need("cwd", str), dict(env), need("umask", int), ignored,
-                command)
+def _command(run: RunSpec) -> list[str]:
+    """The equivalent plain python's ``sys.orig_argv``."""
+    return [sys.orig_argv[0] if sys.orig_argv else sys.executable, *startup.interpreter_options(),
+            *{"code": ["-c"], "module": ["-m"], "script": []}[run.mode], run.target, *run.argv]
 
 
 def _install_fds(stdin_fd: int, stdout_fd: int, stderr_fd: int) -> None:
@@ -162,7 +132,7 @@ def _install_fds(stdin_fd: int, stdout_fd: int, stderr_fd: int) -> None:
         os.close(fd)
 
 
-def _prepare(run: _Run) -> bool:
+def _prepare(run: RunSpec) -> bool:
     """Everything before the user's code, in CPython's start-up order where it matters.
     True when the script is a directory or zip file with a __main__.py."""
     _reset_signals(run.ignored_signals)
@@ -172,7 +142,7 @@ def _prepare(run: _Run) -> bool:
     os.chdir(run.cwd)
     os.umask(run.umask)
     utf8, ctype = startup.apply_locale(run.env)
-    startup.install_stdio(run.env, utf8, ctype, keep=_ZYGOTE_STREAMS)
+    startup.install_stdio(run.env, utf8, ctype, keep=_INTERPRETER_STREAMS)
     if ctype == "C" and startup.pyenv(run.env, "PYTHONCOERCECLOCALE") == "warn":
         sys.stderr.write(startup.C_LOCALE_WARNING)  # left uncoerced (LC_ALL is set): CPython says so
     _reset_interpreter_state(run.env)
@@ -212,12 +182,12 @@ def _reset_interpreter_state(env: dict[str, str]) -> None:
         faulthandler.enable(file=sys.stderr, all_threads=True)
     elif faulthandler.is_enabled():
         faulthandler.disable()
-    time.tzset()  # time.timezone and tzname were computed from the zygote's TZ
-    gc.enable()  # the gc.freeze() recipe runs a zygote with gc disabled
+    time.tzset()  # time.timezone and tzname were computed from the warm interpreter's TZ
+    gc.enable()  # the gc.freeze() recipe runs a warm interpreter with gc disabled
     if (tempfile := sys.modules.get("tempfile")) is not None:
-        tempfile.tempdir = None  # cached from the zygote's TMPDIR (torch's import asks)
+        tempfile.tempdir = None  # cached from the warm interpreter's TMPDIR (torch's import asks)
     if (mp_process := sys.modules.get("multiprocessing.process")) is not None:
-        # Set when the zygote imported multiprocessing: ORIGINAL_DIR replaces '' in the sys.path
+        # Set when the warm interpreter imported multiprocessing: ORIGINAL_DIR replaces '' in the sys.path
         # of a spawned child, and no two runs may share an authkey.
         mp_process.ORIGINAL_DIR = os.path.abspath(os.getcwd())
         mp_process.current_process().authkey = os.urandom(32)
@@ -225,14 +195,14 @@ def _reset_interpreter_state(env: dict[str, str]) -> None:
         warnings._filters_mutated()  # forget which warnings were shown already
         warnings.onceregistry.clear()
     if (weakref := sys.modules.get("weakref")) is not None:
-        # Note [The zygote's finalizers stay the zygote's]
-        # weakref.finalize callbacks registered in the zygote act on the zygote's objects,
+        # Note [The warm interpreter's finalizers stay the warm interpreter's]
+        # weakref.finalize callbacks registered in the warm interpreter act on the warm interpreter's objects,
         # some of them shared with every run (a temporary directory made at import): run at
         # a child's exit they would destroy them. The rest only free the child's own copy of
         # memory (torch deregisters its 130 op libraries, 30 ms). The run's own still run.
         for finalizer in list(weakref.finalize._registry):
             finalizer.atexit = False
-    importlib.invalidate_caches()  # directory listings cached by the zygote's imports
+    importlib.invalidate_caches()  # directory listings cached by the warm interpreter's imports
 
 
 def _reseed() -> None:
@@ -263,15 +233,15 @@ def _is_importer_path(path: str) -> bool:
     return False
 
 
-def _set_argv_and_path(run: _Run) -> bool:
+def _set_argv_and_path(run: RunSpec) -> bool:
     # Note [sys.path[0] of a run]
-    # The zygote's own sys.path[0] is the '' of its `python -c`: it goes. A plain python puts
+    # The warm interpreter's own sys.path[0] is the '' of its `python -c`: it goes. A plain python puts
     # there: for -c '', for -m the full cwd, for a script the real directory of the script
     # (symlinks resolved), for a directory or zip file run as a script the path itself.
     # PYTHONSAFEPATH (-P) adds nothing, except that directory or zip file.
     if sys.path and sys.path[0] == "" and not sys.flags.safe_path:
         del sys.path[0]
-    sys.orig_argv = list(run.command)
+    sys.orig_argv = _command(run)
     if run.mode == "code":
         sys.argv, path0 = ["-c", *run.argv], ""
     elif run.mode == "module":
@@ -289,7 +259,7 @@ def _set_argv_and_path(run: _Run) -> bool:
     return False
 
 
-def _cold_start(run: _Run, exc: BaseException) -> NoReturn:
+def _cold_start(run: RunSpec, exc: BaseException) -> NoReturn:
     """Note [Never worse than no cache]: set-up failed before any user code ran, so exec the
     plain interpreter with the same command line. It behaves as python does, failures
     included: a PYTHONIOENCODING naming no codec stops it with python's own message."""
@@ -300,7 +270,7 @@ def _cold_start(run: _Run, exc: BaseException) -> NoReturn:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # exec keeps a SIG_IGN
             signal.signal(sig, signal.SIG_IGN if sig in run.ignored_signals else signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])  # and the mask
-        os.execve(sys.executable, run.command, run.env)
+        os.execve(sys.executable, _command(run), run.env)
     except (OSError, ValueError) as err:
         os.write(2, f"overmind: cannot start python: {err}\n".encode(errors="replace"))
     os._exit(1)
@@ -341,7 +311,7 @@ def _script_body(main: types.ModuleType, path: str) -> Callable[[], None]:
     return body
 
 
-def _main_body(run: _Run, importer: bool) -> tuple[types.ModuleType, Callable[[], None] | None]:
+def _main_body(run: RunSpec, importer: bool) -> tuple[types.ModuleType, Callable[[], None] | None]:
     """The fresh __main__ and what runs in it; None for a script that cannot be opened."""
     main = _fresh_main()
     if run.mode == "code":
@@ -360,7 +330,7 @@ def _main_body(run: _Run, importer: bool) -> tuple[types.ModuleType, Callable[[]
         return main, None
 
 
-def _execute(run: _Run, importer: bool) -> int:
+def _execute(run: RunSpec, importer: bool) -> int:
     """Note [Exit like Py_RunMain]
     Run the user's code and leave as CPython's Py_RunMain does: SystemExit(code) gives code
     (None 0, an int itself, anything else printed to stderr and 1); another uncaught exception
@@ -530,7 +500,7 @@ def _release_main(threading: types.ModuleType | None) -> None:
 
 def _flush_left_open() -> None:
     """Flush the files the run left open (Note [Output is never lost at exit] in
-    overmind.shared.teardown). What the zygote froze with gc.freeze() is not even looked at."""
-    skip = {id(s) for s in _ZYGOTE_STREAMS} | {id(getattr(s, "buffer", None)) for s in _ZYGOTE_STREAMS}
+    overmind.shared.teardown). What the warm interpreter froze with gc.freeze() is not even looked at."""
+    skip = {id(s) for s in _INTERPRETER_STREAMS} | {id(getattr(s, "buffer", None)) for s in _INTERPRETER_STREAMS}
     skip |= {id(sys.stdout), id(sys.stderr)}  # _flush_std's
     teardown.flush_left_open(skip)

@@ -1,9 +1,9 @@
 """A warm interpreter: imports installed modules once, then forks a child per load or run.
 
-Started by the server (``overmind.server.pool``) as ``python -c "...zygote_main(fd)"`` in
+Started by the server (``overmind.server.pool``) as ``python -c "...interpreter_main(fd)"`` in
 its own session, cwd ``/``, stdio on the server's log; never by users::
 
-    zygote_main(control_fd)   # Warm -> LoaderReady, then Job | Fork | Retire, until retired
+    interpreter_main(control_fd)   # Warm -> LoaderReady, then Job | Fork | Retire, until retired
 
 A ``Job`` child runs one cold load (``overmind.warm.loader.run_job``); a ``Fork`` child becomes
 the user's script (``overmind.warm.child.become``) with the front end's stdio, and this process
@@ -29,7 +29,7 @@ starts with a fresh copy of the pool's state and never talks to that thread, and
 own ``pthread_atfork`` handlers reset its thread pools in the child. A new thread (an import
 that started a pool, a library's background loader) makes the interpreter refuse to fork,
 and the server replaces it without the module that did so. CUDA is never initialised here
-(Note [Zygotes never touch CUDA] in overmind.server.pool).
+(Note [Warm interpreters never touch CUDA] in overmind.server.pool).
 
 Note [Warm interpreters learn]
 Each run reports, at its exit, the installed modules it imported; a patched client reports
@@ -58,10 +58,8 @@ loads in flight (their results have nowhere to go); runs keep going even then.
 
 from __future__ import annotations
 
-import gc
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import select
@@ -72,32 +70,23 @@ import threading
 
 from overmind.shared import protocol as P
 from overmind.shared.import_env import Reads, differs, recording
+from overmind.warm.children import Children
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["zygote_main"]
+__all__ = ["interpreter_main"]
 
 PREIMPORT = ("torch",)
-MAX_REPORT = 4 << 20  # bytes of a run's module report
 
 
 def _native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-class _RunChild:
-    def __init__(self, conn: socket.socket, report: int) -> None:
-        self.conn = conn
-        self.report = report  # read end of the child's module report pipe, -1 once read
-        self.data = bytearray()
-        self.front_end_gone = False
-
-
 class WarmInterpreter:
     def __init__(self, control: socket.socket) -> None:
         self.control = control
-        self.runs: dict[int, _RunChild] = {}
-        self.loads: set[int] = set()
+        self.children = Children()
         self.files: dict[str, tuple[int, int]] = {}  # Note [Warm interpreters]
         self.threads = 0
         self.retiring = False
@@ -203,7 +192,7 @@ class WarmInterpreter:
             return f"{_native_threads()} native threads, {self.threads} when ready"
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
-            return "CUDA was initialised here (Note [Zygotes never touch CUDA] in overmind.server.pool)"
+            return "CUDA was initialised here (Note [Warm interpreters never touch CUDA] in overmind.server.pool)"
         for path, (mtime_ns, size) in self.files.items():
             try:
                 st = os.stat(path)
@@ -218,10 +207,9 @@ class WarmInterpreter:
 
     def serve(self) -> None:
         while True:
-            if self.retiring and not self.runs and not self.loads:
+            if self.retiring and not self.children.busy():
                 os._exit(0)
-            watched = [self.wakeup_r] + [c.conn for c in self.runs.values() if not c.front_end_gone]
-            watched += [c.report for c in self.runs.values() if c.report >= 0]
+            watched = [self.wakeup_r, *self.children.watched()]
             if not self.retiring:
                 watched.append(self.control)
             timeout = 0 if self.to_learn and not self.retiring else None
@@ -231,12 +219,9 @@ class WarmInterpreter:
                 continue
             if self.wakeup_r in ready:
                 self._drain_wakeup()
-            self._reap()
-            for pid, child in list(self.runs.items()):
-                if child.report >= 0 and child.report in ready:
-                    self._read_report(child)
-                if child.conn in ready and not child.front_end_gone:
-                    self._front_end_gone(pid, child)
+            for names in self.children.reap():
+                self._to_learn(names)
+            self.children.readable(ready)
             if self.control in ready:
                 self._control()
             elif self.to_learn and not self.retiring:
@@ -248,49 +233,6 @@ class WarmInterpreter:
                 pass
         except BlockingIOError:
             pass
-
-    def _reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            self.loads.discard(pid)
-            child = self.runs.pop(pid, None)
-            if child is None:
-                continue
-            if child.report >= 0:
-                self._read_report(child, final=True)
-            try:
-                child.conn.settimeout(5.0)
-                P.send_message(child.conn, P.RunExited(status))
-            except OSError:
-                pass
-            child.conn.close()
-            self._learn_from(child)
-
-    def _read_report(self, child: _RunChild, final: bool = False) -> None:
-        while True:
-            try:
-                chunk = os.read(child.report, 65536)
-            except BlockingIOError:
-                if not final:
-                    return
-                chunk = b""
-            if not chunk or len(child.data) > MAX_REPORT:
-                os.close(child.report)
-                child.report = -1
-                return
-            child.data += chunk
-
-    def _learn_from(self, child: _RunChild) -> None:
-        try:
-            names = json.loads(bytes(child.data)) if child.data else []
-        except ValueError:
-            return
-        self._to_learn(names)
 
     def _to_learn(self, names) -> None:
         new = [n for n in names if isinstance(n, str) and n not in sys.modules and n not in self.refused_modules
@@ -321,32 +263,12 @@ class WarmInterpreter:
             self._record_files()
             self._index()
 
-    def _front_end_gone(self, pid: int, child: _RunChild) -> None:
-        """The front end closed its connection (killed, or its terminal went away): so does the run."""
-        try:
-            if child.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                return  # it never sends anything; ignore stray bytes
-        except BlockingIOError:
-            return
-        except OSError:
-            pass
-        child.front_end_gone = True
-        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-            try:
-                target()
-            except (ProcessLookupError, PermissionError):
-                pass
-
     def _control(self) -> None:
         try:
             message, blob, fds = P.recv_message(self.control)
         except (EOFError, ConnectionResetError, P.ProtocolError):
             # The server died: loads have nowhere to send their result; runs go on (Note [Retiring never kills work]).
-            for pid in self.loads:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            self.children.kill_loads()
             self.retiring = True
             return
         if isinstance(message, P.Retire):
@@ -383,11 +305,11 @@ class WarmInterpreter:
                 P.send_message(self.control, P.JobFailed("run", P.ErrorCode.ENV_DIFFERS, why, environ=self._news()))
                 return
         if isinstance(message, P.Job):
-            pid = self._fork_job(message, blob, fds[0])
-            self.loads.add(pid)
+            pid = self.children.fork_job(message, blob, fds[0], self._in_child)
             key = message.key
         else:
-            pid = self._fork_run(message, fds)
+            self._index()  # at once unless something was imported since the last time
+            pid = self.children.fork_run(message, fds, self._in_child)
             if pid < 0:  # not this interpreter's fault: BAD_REQUEST, so it is not retired
                 P.send_message(self.control, P.JobFailed("run", P.ErrorCode.BAD_REQUEST,
                                                          "the front end left before its run started"))
@@ -396,70 +318,12 @@ class WarmInterpreter:
         P.send_message(self.control, P.JobStarted(key, pid, modules=len(sys.modules), learned=self.learned,
                                                   environ=self._news()))
 
-    def _fork_job(self, job: P.Job, blob: bytes, job_fd: int) -> int:
-        gc.freeze()  # Note [Frozen before forking]
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                self._in_child()
-                from overmind.warm.loader import run_job
-
-                try:
-                    os.chdir(job.cwd)
-                except OSError:
-                    pass
-                with socket.socket(fileno=job_fd) as job_sock:
-                    code = run_job(job, blob, job_sock)
-            finally:
-                os._exit(code)
-        os.close(job_fd)
-        return pid
-
-    def _fork_run(self, fork: P.Fork, fds: list[int]) -> int:
-        stdin, stdout, stderr, conn_fd = fds
-        conn = socket.socket(fileno=conn_fd)
-        try:  # the front end may have given up waiting: then nothing runs (never twice, never late)
-            if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                P.close_fds([stdin, stdout, stderr])
-                conn.close()
-                return -1
-        except BlockingIOError:
-            pass
-        report_r, report_w = os.pipe2(os.O_CLOEXEC)
-        self._index()  # at once unless something was imported since the last time
-        gc.freeze()  # Note [Frozen before forking]
-        pid = os.fork()
-        if pid == 0:
-            try:
-                self._in_child()
-                conn.close()
-                os.close(report_r)
-                _report_modules_at_exit(report_w)
-                from overmind.warm.child import become
-
-                become(fork.spec, stdin, stdout, stderr)
-            finally:
-                os._exit(1)
-        P.close_fds([stdin, stdout, stderr, report_w])
-        os.set_blocking(report_r, False)
-        self.runs[pid] = _RunChild(conn, report_r)
-        try:
-            conn.settimeout(5.0)
-            P.send_message(conn, P.RunStarted(pid))
-        except OSError:
-            pass
-        return pid
-
     def _in_child(self) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in (self.wakeup_r, self.wakeup_w):
             os.close(fd)
-        for child in self.runs.values():
-            child.conn.close()
-            if child.report >= 0:
-                os.close(child.report)
+        self.children.close_in_child()
         self.control.close()
 
 
@@ -495,29 +359,6 @@ def _yield_cpu() -> bool:
         return False
 
 
-def _report_modules_at_exit(fd: int) -> None:
-    """At the run's exit (the first atexit callback, so it runs last): its installed modules."""
-    import atexit
-
-    held = frozenset(sys.modules)  # what the interpreter has already: only the rest is news
-
-    def report() -> None:
-        try:
-            from overmind.warm.installed import installed_modules
-
-            news = not held.issuperset(sys.modules)
-            data = json.dumps(installed_modules(skip=held) if news else []).encode()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        except Exception:  # noqa: BLE001 - learning is a bonus; the run's exit must not suffer
-            pass
-        finally:
-            os.close(fd)
-
-    atexit.register(report)
-
-
 def _installed(name: str) -> bool:
     """Is ``name`` importable from an installed location (never the user's code)?"""
     from overmind.warm.installed import installed_prefixes
@@ -539,7 +380,7 @@ def _installed(name: str) -> bool:
 
 
 
-def zygote_main(control_fd: int) -> None:
+def interpreter_main(control_fd: int) -> None:
     interpreter = WarmInterpreter(socket.socket(fileno=control_fd))
     interpreter.start()
     interpreter.serve()

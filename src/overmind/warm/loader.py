@@ -8,7 +8,7 @@ The child unpickles the call (rebuilding ``vae=vae``-style arguments from the en
 server hands it: Note [The loader is handed its references] in ``overmind.server.cold_loads``),
 calls the original, unpatched loader, strips what does not survive pickling
 (``overmind.shared.quirks``), packs the result into new sealed segments and sends their fds
-and the skeleton to the server. Then it exits; see Note [Zygotes never touch CUDA]
+and the skeleton to the server. Then it exits; see Note [Warm interpreters never touch CUDA]
 in ``overmind.server.pool``.
 """
 

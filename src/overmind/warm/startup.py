@@ -34,15 +34,15 @@ def pyenv(env: dict[str, str], name: str) -> str | None:
 
 
 def interpreter_options() -> list[str]:
-    """The zygote's own interpreter options: what comes before its ``-c CODE``."""
+    """The warm interpreter's own interpreter options: what comes before its ``-c CODE``."""
     argv = sys.orig_argv
     return argv[1:argv.index("-c")] if "-c" in argv[1:] else []
 
 
 def run_flag(letters: str, name: str, env: dict[str, str]) -> bool:
-    """A start-up option of this run: given on the zygote's command line (one of ``letters``:
-    -u, -B, -P, -I), or set by ``name`` in the run's environment. The zygote's environment set
-    sys.flags too, but it was the zygote's, not the run's."""
+    """A start-up option of this run: given on the warm interpreter's command line (one of ``letters``:
+    -u, -B, -P, -I), or set by ``name`` in the run's environment. The warm interpreter's environment set
+    sys.flags too, but it was the warm interpreter's, not the run's."""
     given = set()
     for option in interpreter_options():
         if option[:1] == "-" and option[:2] != "--":
@@ -106,7 +106,7 @@ def _stdio_encoding(env: dict[str, str], utf8: bool, ctype: str) -> tuple[str, s
 
 def install_stdio(env: dict[str, str], utf8: bool, ctype: str, keep: list) -> None:
     """New sys.std* over fds 0-2 as CPython would make them for this environment; the old ones
-    go to ``keep`` (Note [Zygote stdio is never flushed in the child] in overmind.warm.child)."""
+    go to ``keep`` (Note [Warm interpreter stdio is never flushed in the child] in overmind.warm.child)."""
     keep.extend([sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__,
                             sys.__stderr__])
     encoding, errors = _stdio_encoding(env, utf8, ctype)

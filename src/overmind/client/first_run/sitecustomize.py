@@ -71,7 +71,7 @@ def _teach() -> None:
 
     def report() -> bool:
         from overmind.shared import protocol as P
-        from overmind.client.cache import context as _context
+        from overmind.shared.contexts import caller_context
         from overmind.client.prefetch import new_module_names  # the warm interpreter keeps only installed ones
 
         new = new_module_names(state["seen"])
@@ -83,7 +83,7 @@ def _teach() -> None:
                 from overmind.shared.connect import handshake
 
                 state["sock"] = handshake(Config.from_env(), "run")[0]
-            P.send_message(state["sock"], P.Prepare(_context(), modules=new))
+            P.send_message(state["sock"], P.Prepare(caller_context(), modules=new))
             P.expect(P.recv_message(state["sock"], max_blob=0)[0], P.Ok)
         return True
 

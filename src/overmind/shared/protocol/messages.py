@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from overmind.shared.protocol.base import Message, ProtocolError, message
 
-__all__ = ["Hello", "Welcome", "Error", "Load", "PlainLoaded", "Prefetch", "PrefetchReply", "Entry", "Pending", "GetFds", "Fds", "GetContents", "Contents", "Status", "StatusReply", "ListEntries", "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire", "LoaderReady", "Job", "JobStarted", "JobResult", "LoadMeta", "FillProgress", "JobFailed", "MESSAGE_TYPES"]
+__all__ = ["Hello", "Welcome", "Error", "Load", "PlainLoaded", "Prefetch", "PrefetchReply", "Entry", "Pending", "GetFds", "Fds", "Contents", "Status", "StatusReply", "ListEntries", "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire", "LoaderReady", "Job", "JobStarted", "JobResult", "LoadMeta", "FillProgress", "JobFailed", "MESSAGE_TYPES"]
 
 
 @message
@@ -126,14 +126,8 @@ class Fds(Message):
     sizes: list  # one size per fd sent, in order
 
 
-@message
-class GetContents(Message):
-    """A loader asks which contents sealed segments already hold (Note [Stored once by content]
-    in overmind.shared.reductions)."""
-
-    TYPE: ClassVar[int] = 15
-
-
+# Type 15 was GetContents, a loader asking the server: loaders are handed the index now (Note
+# [The loader is handed its references] in overmind.server.cold_loads). Never reuse a number.
 @message
 class Contents(Message):
     """The content index, as JSON in the blob: ``{"keys": [entry key, ...], "regions":
@@ -265,7 +259,7 @@ class Retire(Message):
 
 @message
 class LoaderReady(Message):
-    """A zygote loader finished importing and waits for jobs."""
+    """A warm interpreter finished importing and waits for jobs."""
 
     TYPE: ClassVar[int] = 40
     pid: int
@@ -283,7 +277,7 @@ class Job(Message):
     key: str
     sys_path: list
     cwd: str = "/"
-    modules: list = []  # the loader child imports them; the zygote learns them after the fork, for later jobs
+    modules: list = []  # the loader child imports them; the warm interpreter learns them after the fork, for later jobs
 
 
 @message
@@ -369,7 +363,7 @@ class JobFailed(Message):
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, GetContents, Contents, Status, StatusReply,
+    for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, Contents, Status, StatusReply,
                 ListEntries, EntryList, Evict, Evicted, Shutdown, Ok, Prepare, Run, RunRefused, RunStarted, RunExited,
                 LoaderReady, Job, JobStarted, JobResult, FillProgress, JobFailed, Warm, Fork, Retire, PlainLoaded, Prefetch,
                 PrefetchReply)

@@ -1,0 +1,137 @@
+"""Who a load or a run is for, as it crosses the wire. Standard library only.
+
+    caller_context()                         # a client's load: {"python", "env", "cwd", "sys_path"}
+    context, cwd, sys_path = load_context_from_wire(request.context)     # the server, once
+    spec = RunSpec.of_caller("script", "train.py", ["--epochs", "3"])    # overmind run, warm start
+    spec = RunSpec.from_wire(message.spec)   # the server, and the warm child it forks
+
+A :class:`Context` names the warm interpreter that serves a caller; a :class:`RunSpec` is
+what a warm child becomes. Each is built by the caller in one function and validated where it
+is received in one function (Note [Frames are untrusted] in overmind.shared.protocol): a bad
+value raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+from overmind.shared.config import selecting_environment
+
+__all__ = ["Context", "RunSpec", "caller_context", "load_context_from_wire", "MODES"]
+
+MODES = ("script", "module", "code")
+
+
+@dataclass(frozen=True)
+class Context:
+    """Which warm interpreter serves a client: the interpreter and the environment that can
+    change what an import does (Note [Environment that selects an interpreter] in overmind.shared.config).
+    Not the cwd or sys.path: a warm interpreter holds only installed code (Note [Warm
+    interpreters] in overmind.warm.interpreter); each load or run brings its own."""
+
+    python: str
+    env: tuple  # sorted (name, value) pairs
+    # The key of the context before the names its interpreters' imports read were added to env
+    # (Note [Settings an import read] in overmind.shared.import_env); "": this is that context.
+    family: str = field(default="", compare=False)
+
+    @property
+    def lineage(self) -> str:
+        """What this context's variants share: what to pre-import, what their imports read."""
+        return self.family or self.key
+
+    @property
+    def key(self) -> str:
+        # .venv/bin/python and .venv/bin/python3 are one interpreter with one venv: the folder
+        # (where a venv is found) and the binary the name resolves to, not the name.
+        python = [os.path.dirname(self.python), os.path.realpath(self.python)]
+        raw = json.dumps([python, list(self.env)]).encode()
+        return hashlib.sha256(raw).hexdigest()[:16]
+
+    @classmethod
+    def from_wire(cls, data: object) -> "Context":
+        if not isinstance(data, dict) or "python" not in data or "env" not in data:
+            raise ValueError("context needs python and env")
+        python, env = data["python"], data["env"]
+        if not (isinstance(python, str) and os.path.isabs(python) and os.access(python, os.X_OK)):
+            raise ValueError(f"context python {python!r:.200} is not an executable absolute path")
+        if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+            raise ValueError("context env must map strings to strings")
+        return cls(python, tuple(sorted(selecting_environment(env).items())))
+
+
+def caller_context(python: str | None = None, load: bool = True) -> dict:
+    """This process's context on the wire; a load's also carries its cwd and sys.path (the
+    loader runs there). ``python``: another interpreter (``overmind run --python``)."""
+    found = {"python": os.path.abspath(python or sys.executable), "env": selecting_environment(os.environ)}
+    if load:
+        found.update(cwd=os.getcwd(), sys_path=list(sys.path))
+    return found
+
+
+def load_context_from_wire(data: object) -> tuple[Context, str, list]:
+    """A load's context, its cwd and sys.path, validated."""
+    context = Context.from_wire(data)
+    cwd, sys_path = data.get("cwd"), data.get("sys_path")  # type: ignore[union-attr]
+    if not (isinstance(cwd, str) and os.path.isdir(cwd)):
+        raise ValueError(f"context cwd {cwd!r:.200} is not a directory")
+    if not (isinstance(sys_path, list) and all(isinstance(p, str) for p in sys_path)):
+        raise ValueError("context sys_path must be a list of strings")
+    return context, cwd, sys_path
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a warm child becomes: ``python <mode> <target> <argv>`` in ``cwd`` with ``env`` and
+    ``umask``, ignoring the signals its caller's shell ignored (``nohup``, ``cmd &``), as a plain
+    python inherits them (overmind.warm.child.become)."""
+
+    mode: str  # "script" | "module" | "code"
+    target: str  # the script path as typed (it becomes sys.argv[0]), the module name or the code
+    argv: tuple  # the arguments after it
+    cwd: str
+    env: dict
+    umask: int
+    ignored_signals: frozenset = frozenset()
+
+    @classmethod
+    def of_caller(cls, mode: str, target: str, args: list[str]) -> "RunSpec":
+        import signal
+
+        umask = os.umask(0o022)
+        os.umask(umask)
+        ignored = frozenset(int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
+                            and signal.getsignal(s) == signal.SIG_IGN)
+        return cls(mode, target, tuple(args), os.getcwd(), dict(os.environ), umask, ignored)
+
+    def to_wire(self) -> dict:
+        wire = asdict(self)
+        wire.update(argv=list(self.argv), ignored_signals=sorted(self.ignored_signals))
+        return wire
+
+    @classmethod
+    def from_wire(cls, spec: object) -> "RunSpec":
+        if not isinstance(spec, dict):
+            raise ValueError("a run spec must be an object")
+
+        def need(key: str, kind: type) -> object:
+            value = spec.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"run spec field {key!r} must be {kind.__name__}, got {value!r:.80}")
+            return value
+
+        mode, target, argv, env = need("mode", str), need("target", str), need("argv", list), need("env", dict)
+        if mode not in MODES or not target:
+            raise ValueError(f"run spec: mode must be one of {MODES} with a target, got {mode!r:.80}")
+        if not all(isinstance(a, str) for a in argv):
+            raise ValueError("run spec field 'argv' must hold only strings")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise ValueError("run spec field 'env' must map strings to strings")
+        ignored = spec.get("ignored_signals") or []
+        if not (isinstance(ignored, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in ignored)):
+            raise ValueError("run spec field 'ignored_signals' must be a list of signal numbers")
+        return cls(mode, target, tuple(argv), need("cwd", str), dict(env), need("umask", int), frozenset(ignored))
