@@ -528,6 +528,38 @@ class LoaderPool:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def lessons(self) -> dict:
+        """lineage -> (modules, refused, names, prefixes) it learned, its live interpreters'
+        lessons included: what overmind.state keeps across a restart."""
+        with self.lock:
+            zygotes = list(self.zygotes.values())
+            known = {k: list(v) for k, v in self.learned.items()}
+            refused = {k: sorted(v) for k, v in self.refused.items()}
+        for zygote in zygotes:
+            modules = known.setdefault(zygote.context.lineage, [])
+            refused[zygote.context.lineage] = sorted({*refused.get(zygote.context.lineage, ()), *zygote.refused})
+            skip = set(modules) | set(refused[zygote.context.lineage])
+            modules += [n for n in dict.fromkeys([*zygote.imported, *zygote.learned]) if n not in skip]
+        with self.reads_lock:
+            reads = {k: (sorted(n), sorted(p)) for k, (n, p) in self.reads.items()}
+        return {lineage: (modules[:MAX_LEARNED], refused.get(lineage, []), *reads.get(lineage, ([], [])))
+                for lineage, modules in known.items()}
+
+    def teach(self, context: Context, modules: list, refused: list, names: list, prefixes: list) -> None:
+        """What ``context``'s lineage learned before a restart (overmind.restore), checked as a
+        client's Prepare is: its interpreters import ``modules`` and key on ``names``."""
+        with self.lock:
+            known = self.learned.setdefault(context.lineage, [])
+            seen = set(known) | set(refused)
+            known.extend(n for n in modules if n not in seen and len(known) < MAX_LEARNED)
+            self.refused.setdefault(context.lineage, set()).update(refused)
+        self._heard_reads(context, names, prefixes)
+
+    def live_contexts(self) -> list:
+        """(context, last used) of every warm interpreter, least recently used first."""
+        with self.lock:
+            return [(z.context, z.last_used) for z in self.zygotes.values()]
+
     def describe(self) -> list:
         now = time.time()
         with self.lock:

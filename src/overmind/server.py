@@ -40,6 +40,8 @@ from overmind.cold_loads import MAX_TEXT, ColdLoads, reply_error
 from overmind.loader_pool import LoaderPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
 from overmind.programs import ProgramHistory
 from overmind.registry import Registry
+from overmind.restore import Restore
+from overmind.state import StateKeeper
 
 logger = logging.getLogger("overmind.server")
 
@@ -94,6 +96,10 @@ class Server:
         self.runs = 0
         self.history = ProgramHistory()  # Note [Prefetch] in overmind.prefetch
         self.loads = ColdLoads(config, self.registry, self.loaders, self.history)
+        # Note [The state file] in overmind.state; Note [Restore after a restart] in overmind.restore
+        self.state = StateKeeper(config, self.registry, self.loaders, self.history, self.loads.plain_seconds)
+        self.loads.on_cached = self.state.record
+        self.restore = Restore(config, self.registry, self.loads, self.state, self.stopping)
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 
@@ -121,6 +127,10 @@ class Server:
             probe.close()
         self._bind()
         write_runtime_file(self.config.pid_path, f"{os.getpid()}\n")
+        # Only now, holding the instance lock: one server per runtime directory, so one writer per state file.
+        state = self.state.open(ColdLoads.check_request, context_from_wire, ColdLoads.check_modules)
+        threading.Thread(target=self.state.run, args=(self.stopping,), daemon=True, name="overmind-state").start()
+        self.restore.start(state)
 
     def _bind(self) -> None:
         """Listen on a new socket file at the socket path (replacing whatever is there)."""
@@ -211,6 +221,8 @@ class Server:
                 if self.active == 0:
                     break
             time.sleep(0.05)
+        self.state.save_if_changed()  # Note [Atomic, rate-limited saves] in overmind.state
+        self.state.close()
         self.loaders.close()
         self.registry.clear()
         try:
@@ -364,6 +376,9 @@ class Server:
         info["loaders"] = self.loaders.describe()
         info["settling"] = self.loaders.settling  # Note [Huge pages for segments] in overmind.memfd
         info.update(self.loads.counters())  # Note [Joining a fill] in overmind.cold_loads
+        info["restore"] = self.restore.describe()  # Note [Restore after a restart] in overmind.restore
+        info["ready"] = info["restore"]["ready"]
+        info["state"] = self.state.describe()
         return info
 
 def _configure_logging(level: str, log_fd: int, foreground: bool) -> None:
