@@ -108,6 +108,9 @@ class State:
 
 def open_state_dir(path) -> int:
     """An fd of the state directory, checked private and ours; ConfigError says why not."""
+    from pathlib import Path
+
+    path = Path(path)
     ensure_private_dir(path, what="state directory", setting="OVERMIND_STATE_DIR", forbidden=0o022)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
