@@ -29,9 +29,26 @@ def age_files(*paths, seconds: float = 30.0) -> None:
             os.utime(p, (stamp, stamp))
 
 
+# Servers the tests start keep their state (overmind.server.state) here, never in the user's
+# ~/.local/state: one file per runtime directory, so two tests never restore each other's cache.
+_STATE_HOME = None
+
+
+def state_home() -> str:
+    global _STATE_HOME
+    if _STATE_HOME is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        _STATE_HOME = tempfile.mkdtemp(prefix="om-state-home-")
+        atexit.register(shutil.rmtree, _STATE_HOME, True)
+    return _STATE_HOME
+
+
 def child_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OVERMIND_")}
-    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "XDG_STATE_HOME": state_home()})
     env.update(extra)
     return env
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # kept out of start-up: `import overmind.api; monkey_patch_al
 logger = logging.getLogger(__name__)
 
 __all__ = ["load", "monkey_patch_all", "unpatch_all", "is_patched", "get_original", "OvermindError",
-           "DEFAULT_PATCH_POINTS", "fetch_entry"]
+           "DEFAULT_PATCH_POINTS", "fetch_entry", "cache_key_of"]
 
 DEFAULT_PATCH_POINTS = (
     "diffusers.pipelines.pipeline_utils::DiffusionPipeline.from_pretrained",
@@ -232,3 +232,11 @@ def get_original(module: str, qualname: Optional[str] = None) -> Callable:
         point = patching.PatchPoint.parse(module)
         module, qualname = point.module, point.qualname
     return patching.get_original(module, qualname)
+
+
+def cache_key_of(obj: Any) -> Optional[str]:
+    """The key of the cache entry ``obj`` was rebuilt from or filed under by a patched loader in
+    this process, or None: it came from no entry (a plain load the cache could not take)."""
+    from overmind.client.cache import origin_of
+
+    return origin_of(obj)

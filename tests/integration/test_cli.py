@@ -192,7 +192,7 @@ def test_runtime_dir_option_overrides_the_environment(server, runtime_dir, tmp_p
 # -- the command behaves as users expect of a Unix command -----------------------------------
 
 OVERMIND = str(Path(sys.executable).parent / "overmind")
-COMMANDS = ("status", "list", "evict", "shutdown", "run")
+COMMANDS = ("status", "list", "evict", "shutdown", "run", "preload")
 
 
 def _overmind(*args: str, env: dict, **kwargs) -> subprocess.CompletedProcess:

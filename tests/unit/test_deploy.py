@@ -144,7 +144,8 @@ def test_server_command_is_the_installed_console_script_and_serves_the_pods_sock
                if ep.group == "console_scripts"}
     assert scripts[command[0]] == "overmind.server.daemon:main"
     probe = server["readinessProbe"]["exec"]["command"]
-    assert scripts[probe[0]] == "overmind.frontend.run:command" and probe[1:] == ["status", "--json"]
+    assert scripts[probe[0]] == "overmind.frontend.run:command" and probe[1:3] == ["status", "--wait-ready"]
+    assert probe[3] == "--timeout" and float(probe[4]) < server["readinessProbe"]["timeoutSeconds"]
     bin_dir = Path(sys.executable).parent
     runtime_dir = Path(tempfile.mkdtemp(prefix="om-deploy-", dir="/tmp"))  # short: AF_UNIX paths
     try:
@@ -160,7 +161,7 @@ def test_server_command_is_the_installed_console_script_and_serves_the_pods_sock
             ready = subprocess.run([str(bin_dir / probe[0]), *probe[1:]], env=env, capture_output=True, text=True,
                                    timeout=60)
             assert ready.returncode == 0, ready.stderr
-            assert f'"pid": {proc.pid}' in ready.stdout
+            assert f"overmind-server pid {proc.pid} ready" in ready.stdout, ready.stdout
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -226,3 +227,30 @@ def test_readme_and_unit_point_to_the_files_by_their_names():
         assert str(path.relative_to(REPO)) in readme
     assert TMPFILES.name in (REPO / "systemd/overmind.service").read_text()
     assert hugepages.ENABLE_COMMAND in readme
+
+
+def test_state_dir_survives_the_pod_and_its_init_container_leaves_one_overmind_accepts(daemonset, tmp_path):
+    """Warm after a restart (overmind.server.state): the server's state directory is a hostPath on disk,
+    named by OVERMIND_STATE_DIR, made private and the server's by the `state-dir` init container."""
+    from overmind.server.state import open_state_dir
+
+    server = _server(daemonset)
+    mount, host = _mount(daemonset, server, "overmind-state")
+    assert Config.from_env(_env(server)).state_dir == Path(mount)
+    assert not host.startswith(("/run", "/tmp", "/dev/shm"))  # tmpfs: emptied at reboot
+    init = _container(daemonset, "state-dir", init=True)
+    uid, gid = _identity(daemonset, server)
+    assert _env(init)["OWNER"] == f"{uid}:{gid}" and _env(init)["STATE_DIR"] == mount
+    state_dir = tmp_path / "node-var-lib-overmind"
+    proc = _sh(init, {"STATE_DIR": str(state_dir), "OWNER": f"{os.getuid()}:{os.getgid()}"})
+    assert proc.returncode == 0, proc.stderr
+    os.close(open_state_dir(state_dir))  # raises if others can write it or it is not ours
+
+
+def test_unit_keeps_its_state_dir_and_waits_for_the_restore():
+    unit = (REPO / "systemd/overmind.service").read_text()
+    lines = [line.strip() for line in unit.splitlines() if not line.startswith("#")]
+    assert "StateDirectory=overmind" in lines and "Environment=OVERMIND_STATE_DIR=%S/overmind" in lines
+    post = [line for line in lines if line.startswith("ExecStartPost=")]
+    assert len(post) == 1 and "overmind status --wait-ready --timeout" in post[0]
+    assert post[0].startswith("ExecStartPost=-")  # a slow restore never fails the unit

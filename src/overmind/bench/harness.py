@@ -148,7 +148,10 @@ class BenchServer:
 
     def __init__(self, runtime_dir: Path) -> None:
         self.runtime_dir = runtime_dir
-        self.env = base_env({"OVERMIND_RUNTIME_DIR": str(runtime_dir), "OVERMIND_NO_AUTOSTART": "1"})
+        # Its state (overmind.server.state) lives and dies with its runtime directory: a restart keeps it
+        # (restart(), the warm-up curve's run after a restart), stop() removes it.
+        self.env = base_env({"OVERMIND_RUNTIME_DIR": str(runtime_dir), "OVERMIND_NO_AUTOSTART": "1",
+                             "OVERMIND_STATE_DIR": str(runtime_dir / "state")})
         self.pid = 0
 
     @classmethod

@@ -2,6 +2,10 @@
 
     overmind status [--json]        the server (budget, used, hits, misses, evictions, ...), its entries, and
                                     whether segments get huge pages (read here: overmind.shared.hugepages)
+    overmind status --wait-ready [--timeout S]
+                                    wait until the server's restore after a restart is done
+                                    (Note [Restore after a restart] in overmind.server.restore)
+    overmind preload FILE           fill the cache from a list of calls or a script (overmind.frontend.preload)
     overmind list [--json]          one line per cached entry
     overmind evict KEY | --all      drop an entry (KEY may be a unique prefix) or all of them
     overmind shutdown               stop the server and wait until it has stopped
@@ -15,6 +19,8 @@
 Exit status: 0 done; 1 the server refused or nothing matched; 2 bad usage or settings;
 3 no server is running (``shutdown`` exits 0 then: there is nothing to stop). ``status``
 without a server still prints the huge-page report (machine-wide, read without the server).
+``status --wait-ready`` exits 0 once the restore is done, 4 on its timeout, 3 if no server
+came up within it.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from overmind.frontend.run import main as run_main
 
 __all__ = ["main", "list_main", "shutdown_main", "human_bytes", "human_duration"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER, EXIT_NOT_READY = 0, 1, 2, 3, 4
 SHUTDOWN_WAIT = 15.0
 LIST_TIMEOUT = 30.0  # thousands of entries take a while to describe
 RECOVERY_WAIT = 2.0
@@ -114,7 +120,28 @@ def _huge_page_lines(hp: hugepages.HugePageStatus, cached_bytes: int = 0) -> lis
             f"  turn on:  {hp.command}   (as root; until reboot; README 'Huge pages' says how to keep it)"]
 
 
+def restore_line(info: dict) -> str:
+    """The restore's progress in words (``info``: the server's status)."""
+    restore = info.get("restore")
+    if not isinstance(restore, dict):
+        return "nothing to restore"
+    state = restore.get("state")
+    if state == "none":
+        return "nothing to restore"
+    if state == "off":
+        return "off (OVERMIND_RESTORE=0)"
+    done, pending = restore.get("entries_done", 0), restore.get("entries_pending", 0)
+    line = (f"{state} in {restore.get('seconds', 0):.1f}s: {done} entries ({human_bytes(restore.get('bytes_done', 0))}) "
+            f"refilled, {pending} ({human_bytes(restore.get('bytes_pending', 0))}) pending")
+    extra = [f"{restore[k]} {k[8:]}" for k in ("entries_skipped", "entries_failed") if restore.get(k)]
+    if restore.get("interpreters_pending"):
+        extra.append(f"{restore['interpreters_pending']} warm interpreters starting")
+    return line + (f" ({', '.join(extra)})" if extra else "")
+
+
 def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
+    if args.wait_ready:
+        return _wait_ready(conn, args)
     info = conn.simple(P.Status(), P.StatusReply).info
     # The huge-page facts are the kernel's, machine-wide: read here, so the server stays
     # free of them (and a status without a server still has them, see main()).
@@ -124,8 +151,17 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
         return EXIT_OK
     first = ["pid", "version", "uptime", "entries", "used", "budget", "hits", "misses", "not_cacheable",
              "stale_misses", "evictions", "loading", "settling"]
-    names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n != "bytes")
-    print(_table([(name, _format_value(name, info[name])) for name in names]))
+    special = ("bytes", "restore", "state", "ready")
+    names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n not in special)
+    rows = [(name, _format_value(name, info[name])) for name in names]
+    if "restore" in info:
+        rows.append(("restore", restore_line(info)))
+    state = info.get("state")
+    if isinstance(state, dict):
+        rows.append(("state", state.get("path", "") if state.get("kept") else f"not kept: {state.get('problem', '')}"))
+        if state.get("kept") and state.get("problem"):
+            rows.append(("", state["problem"]))
+    print(_table(rows))
     print()
     used = info.get("used")
     print("\n".join(_huge_page_lines(hp, used if isinstance(used, int) else 0)))
@@ -137,6 +173,39 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
         print()
         _print_entries(entries)
     return EXIT_OK
+
+
+WAIT_POLL = 0.2
+
+
+def _wait_ready(conn: Optional[Connection], args: argparse.Namespace, config: Optional[Config] = None) -> int:
+    """``status --wait-ready``: poll until the restore is done or ``--timeout`` passes; a server
+    that is not up yet (a deploy script that just started it) is waited for too."""
+    deadline = time.monotonic() + args.timeout if args.timeout is not None else None
+    last = ""
+    while True:
+        try:
+            if conn is None:
+                assert config is not None
+                conn = Connection.open(config, role="cli", autostart=False)
+            info = conn.simple(P.Status(), P.StatusReply).info
+        except (ServerUnavailable, P.ProtocolError, EOFError, OSError) as err:
+            if conn is not None:
+                conn.close()
+                conn = None
+            info, last = None, f"no server answers ({err})"
+        if info is not None:
+            last = restore_line(info)
+            if info.get("ready", True):  # a server from before the restore is always ready
+                print(f"overmind-server pid {info.get('pid')} ready: {last}")
+                return EXIT_OK
+        if deadline is not None and time.monotonic() >= deadline:
+            print(f"overmind: not ready after {args.timeout:g}s: {last}; `overmind status` shows the restore, "
+                  "the server's log says what it waits for", file=sys.stderr)
+            return EXIT_NO_SERVER if info is None else EXIT_NOT_READY
+        if config is None and conn is not None:
+            config = conn.config
+        time.sleep(WAIT_POLL)
 
 
 def _entries(conn: Connection) -> list[dict]:
@@ -327,6 +396,21 @@ COMMANDS: dict[str, Callable[[Connection, argparse.Namespace], int]] = {
 }
 
 
+PRELOAD_HELP = """Fill the cache before the first use of a model: replay the calls in FILE.
+
+FILE is either
+  - a .py script: run once like `overmind run FILE` with its output discarded and every load
+    waiting for the cache (OVERMIND_COLD=wait); it must call overmind.api.monkey_patch_all();
+  - calls, one JSON object a line (blank lines and lines starting with # are skipped):
+      {"fn": "diffusers.ControlNetModel.from_pretrained", "args": ["/models/canny"],
+       "kwargs": {"torch_dtype": {"$py": "torch.float16"}}}
+    "fn" is a dotted name (module, then attributes); "args" and "kwargs" are JSON values, and
+    {"$py": "torch.float16"} names a Python object the same way. Every call runs patched, in
+    a fresh process of the chosen interpreter, and waits until its entry is cached.
+
+Exit status: 0 every call cached, 1 some failed (each is named), 2 a bad FILE."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     runtime_help = "the server's runtime directory (overrides OVERMIND_RUNTIME_DIR)"
     parser = argparse.ArgumentParser(prog="overmind", description="Inspect and control overmind-server.")
@@ -337,6 +421,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     status = sub.add_parser("status", parents=[common], help="server pid, uptime and cache counters")
     status.add_argument("--json", action="store_true", help="the server's status as one JSON object")
+    status.add_argument("--wait-ready", action="store_true",
+                        help="wait until the server is up and its restore after a restart is done (for systemd "
+                        "ExecStartPost=, a readiness probe, a deploy script); exit 0 then, 4 on --timeout")
+    status.add_argument("--timeout", type=float, metavar="S", help="with --wait-ready: give up after S seconds")
+    preload = sub.add_parser("preload", parents=[common], help="fill the cache from a file of calls or a script",
+                             description=PRELOAD_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    preload.add_argument("file", metavar="FILE", help="calls, one JSON object a line (.jsonl), or a script (.py)")
+    preload.add_argument("--python", metavar="PATH", help="the interpreter to load with (default: the one running "
+                         "overmind); the warm interpreter of its context does the loads")
     listing = sub.add_parser("list", parents=[common], help="cached entries")
     listing.add_argument("--json", action="store_true", help="the entries as one JSON array")
     evict = sub.add_parser("evict", parents=[common], help="drop cached entries")
@@ -385,6 +478,15 @@ def _main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"overmind: {err}", file=sys.stderr)
         return EXIT_USAGE
+    if args.command == "status" and args.timeout is not None and not args.wait_ready:
+        print("overmind: --timeout goes with --wait-ready", file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "status" and args.wait_ready:
+        return _wait_ready(None, args, config)
+    if args.command == "preload":
+        from overmind.frontend.preload import preload_command
+
+        return preload_command(args.file, args.python, env)
     try:
         conn = _open(config)
     except (ServerUnavailable, P.RemoteError, P.ProtocolError, OSError) as err:

@@ -29,7 +29,7 @@ from overmind.shared.config import Config
 from overmind.server.fill_priority import Fill
 from overmind.server.pool import WarmPool, LoadFailure, context_from_wire
 from overmind.server.programs import ProgramHistory
-from overmind.server.registry import CacheEntry, Flight, Registry, Reply, TooLarge
+from overmind.server.registry import Admission, CacheEntry, Flight, Registry, Reply, TooLarge
 
 logger = logging.getLogger("overmind.server.daemon")
 
@@ -98,6 +98,7 @@ class ColdLoads:
         self.plain_seconds: "OrderedDict[str, float]" = OrderedDict()  # Note [Joining a fill]
         self.joined = 0
         self.not_cacheable = 0  # calls told their result cannot be rebuilt: Note [Results that cannot be rebuilt]
+        self.on_cached = None  # called with (request, blob, entry) once a fill is cached: overmind.server.state keeps it
 
     def counters(self) -> dict:
         return {"joined": self.joined, "not_cacheable": self.not_cacheable}
@@ -124,6 +125,16 @@ class ColdLoads:
                 entries.append([key, handles])
         P.send_message(conn, P.PrefetchReply(os.getpid(), entries))
 
+    def plain_seconds_of(self, key: str) -> float | None:
+        return self.plain_seconds.get(key)
+
+    def remember_plain_seconds(self, key: str, seconds: float) -> None:
+        """A plain load's time from before a restart (overmind.server.restore), unless one is known."""
+        if key not in self.plain_seconds and 0 <= seconds < 1e6:
+            self.plain_seconds[key] = seconds
+            while len(self.plain_seconds) > MAX_PLAIN_SECONDS:
+                self.plain_seconds.popitem(last=False)
+
     def plain_loaded(self, message: P.PlainLoaded) -> None:
         """A caller's plain load of a key being filled returned, in ``message.seconds``."""
         if isinstance(message.key, str) and len(message.key) <= MAX_KEY and 0 <= message.seconds < 1e6:
@@ -138,6 +149,11 @@ class ColdLoads:
     def _send_entry(conn: socket.socket, reply: Reply, hit: bool) -> None:
         P.send_message(conn, P.Entry(reply.key, os.getpid(), reply.handles, reply.nbytes, hit, reply.meta.to_dict()),
                        reply.skeleton)
+
+    @staticmethod
+    def check_request(request: P.Load) -> None:
+        """LoadFailure for a Load no client of ours sends (what a restore checks: overmind.server.state)."""
+        ColdLoads._check_load(request)
 
     @staticmethod
     def _check_load(request: P.Load) -> None:
@@ -230,10 +246,30 @@ class ColdLoads:
             return P.send_message(conn, P.Error(P.ErrorCode.NOT_FOUND, f"{request.key} was evicted right after loading"))
         self._send_entry(conn, reply, hit=not admission.started)
 
+    def refill(self, request: P.Load, blob: bytes) -> "Admission":
+        """Fill ``request`` as a miss would, with no caller: a restore after a restart
+        (overmind.server.restore). Checked as a client's request is; at idle priority, counted as no
+        client's miss. The admission: a hit (cached already), the flight to wait for (``started``:
+        this call started it), or a failure. LoadFailure for a request no client may send."""
+        self._check_load(request)
+        if request.lookup_only:
+            raise LoadFailure(P.ErrorCode.BAD_REQUEST, "a refill is a load, not a lookup")
+        admission = self.registry.begin(request.key, count=False)
+        if admission.started:
+            fill = self.pool.begin_fill(request.key, background=True, caller=0)  # Note [Cold fills yield to their caller]
+            threading.Thread(target=self._fly, args=(admission.flight, request, blob, 0, fill), daemon=True,
+                             name="overmind-refill").start()
+        return admission
+
     def _fly(self, flight: Flight, request: P.Load, blob: bytes, pid: int, fill: Fill) -> None:
         remember = False
         try:
             flight.entry = self._run_load(request, blob, pid, fill)
+            if self.on_cached is not None:
+                try:
+                    self.on_cached(request, blob, flight.entry)
+                except Exception:  # pragma: no cover - the entry is cached all the same
+                    logger.exception("could not keep %s in the state file", request.key[:16])
         except LoadFailure as failure:
             flight.error = P.Error(failure.code, failure.message, failure.traceback)
             # Note [Only deterministic failures are remembered] in overmind.server.registry

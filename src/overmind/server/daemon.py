@@ -40,6 +40,8 @@ from overmind.server.cold_loads import MAX_TEXT, ColdLoads, reply_error
 from overmind.server.pool import WarmPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
 from overmind.server.programs import ProgramHistory
 from overmind.server.registry import Registry
+from overmind.server.restore import Restore
+from overmind.server.state import StateKeeper
 
 logger = logging.getLogger("overmind.server.daemon")
 
@@ -94,6 +96,10 @@ class Server:
         self.runs = 0
         self.history = ProgramHistory()  # Note [Prefetch] in overmind.client.prefetch
         self.loads = ColdLoads(config, self.registry, self.pool, self.history)
+        # Note [The state file] in overmind.server.state; Note [Restore after a restart] in overmind.server.restore
+        self.state = StateKeeper(config, self.registry, self.pool, self.history, self.loads.plain_seconds_of)
+        self.loads.on_cached = self.state.record
+        self.restore = Restore(config, self.registry, self.loads, self.state, self.stopping)
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 
@@ -121,6 +127,10 @@ class Server:
             probe.close()
         self._bind()
         write_runtime_file(self.config.pid_path, f"{os.getpid()}\n")
+        # Only now, holding the instance lock: one server per runtime directory, so one writer per state file.
+        state = self.state.open(ColdLoads.check_request, context_from_wire, ColdLoads.check_modules)
+        threading.Thread(target=self.state.run, args=(self.stopping,), daemon=True, name="overmind-state").start()
+        self.restore.start(state)
 
     def _bind(self) -> None:
         """Listen on a new socket file at the socket path (replacing whatever is there)."""
@@ -211,6 +221,8 @@ class Server:
                 if self.active == 0:
                     break
             time.sleep(0.05)
+        self.state.save_if_changed()  # Note [Atomic, rate-limited saves] in overmind.server.state
+        self.state.close()
         self.pool.close()
         self.registry.clear()
         try:
@@ -361,6 +373,9 @@ class Server:
         info["loaders"] = self.pool.describe()
         info["settling"] = self.pool.settling()  # Note [Huge pages for segments] in overmind.shared.memfd
         info.update(self.loads.counters())  # Note [Joining a fill] in overmind.server.cold_loads
+        info["restore"] = self.restore.describe()  # Note [Restore after a restart] in overmind.server.restore
+        info["ready"] = info["restore"]["ready"]
+        info["state"] = self.state.describe()
         return info
 
 def _configure_logging(level: str, log_fd: int, foreground: bool) -> None:

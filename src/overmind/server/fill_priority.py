@@ -161,6 +161,10 @@ class FillPriorities:
         logger.info("fill of %s starts %.1fs after its miss (caller pid %d)", fill.key[:16],
                     time.monotonic() - started, fill.caller)
 
+    def in_flight_besides(self, key: str) -> bool:
+        with self.fill_lock:
+            return any(k != key for k in self.fills)
+
     def end(self, fill: Fill) -> None:
         with self.fill_lock:
             if self.fills.get(fill.key) is fill:

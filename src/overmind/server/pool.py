@@ -37,7 +37,8 @@ from overmind.shared.config import Config, open_runtime_file
 from overmind.shared.contexts import Context, RunSpec, load_context_from_wire
 from overmind.server.fill_priority import Fill, FillPriorities
 from overmind.shared.priority import can_lift_idle, every_thread, to_normal
-from overmind.shared.import_env import MAX_NAMES, MAX_PREFIXES, reads_from_wire, select
+from overmind.shared.import_env import reads_from_wire
+from overmind.server.lessons import Lessons
 
 logger = logging.getLogger("overmind.server.loaders")
 
@@ -45,7 +46,6 @@ __all__ = ["Context", "Fill", "WarmPool", "LoadFailure", "RunRefused", "context_
 
 READY_TIMEOUT = 300.0
 FORK_TIMEOUT = 30.0  # a Fork waits at most for one learned module's import (Note [Warm interpreters learn])
-MAX_LEARNED = 10000
 
 
 class LoadFailure(Exception):
@@ -232,49 +232,9 @@ class WarmPool:
         self.lock = threading.Lock()
         self._fills = FillPriorities(config)  # Note [Cold fills yield to their caller] in overmind.server.fill_priority
         self.interpreters: "OrderedDict[str, WarmProcess]" = OrderedDict()
-        self.learned: dict[str, list] = {}  # context key -> installed modules its runs and loads imported
-        self.refused: dict[str, set] = {}  # context key -> modules that started a thread when imported
-        # context lineage -> (names, prefixes) its interpreters' imports read: Note [Settings an import read]
-        self.reads: dict[str, tuple[set, set]] = {}
-        self.reads_lock = threading.Lock()
+        self.lessons = Lessons()  # what each lineage learned (overmind.server.lessons)
         self.retired = 0
         self._settling = _Settling()
-
-    def _modules_for(self, context: Context) -> list:
-        """What the lineage learned, its live interpreters' lessons included: a variant keyed on
-        another value of a variable read at import starts as warm as they are."""
-        known = list(self.learned.get(context.lineage, ()))
-        refused = self.refused.get(context.lineage, set())
-        for interpreter in self.interpreters.values():
-            if interpreter.context.lineage == context.lineage:
-                known += [n for n in [*interpreter.imported, *interpreter.learned]
-                          if n not in known and n not in refused]
-        return known[:MAX_LEARNED]
-
-    def _heard_reads(self, context: Context, names: list, prefixes: list) -> None:
-        with self.reads_lock:
-            known_names, known_prefixes = self.reads.setdefault(context.lineage, (set(), set()))
-            known_names.update(names[:max(MAX_NAMES - len(known_names), 0)])
-            known_prefixes.update(prefixes[:max(MAX_PREFIXES - len(known_prefixes), 0)])
-
-    def with_reads(self, context: Context, env) -> Context:
-        """``context`` with the caller's values (``env``, its whole environment) of the variables its
-        lineage's imports read: a caller whose values differ from an interpreter's gets another,
-        imported under its own (Note [Settings an import read] in overmind.shared.import_env)."""
-        with self.reads_lock:
-            names, prefixes = self.reads.get(context.lineage, ((), ()))
-            chosen = select(env, names, prefixes) if isinstance(env, dict) else {}
-        merged = {**dict(context.env), **chosen}
-        return Context(context.python, tuple(sorted(merged.items())), family=context.lineage)
-
-    def _remember(self, interpreter: WarmProcess) -> None:
-        known = self.learned.setdefault(interpreter.context.lineage, [])
-        for name in [*interpreter.imported, *interpreter.learned]:
-            if name not in known and len(known) < MAX_LEARNED:
-                known.append(name)
-        refused = self.refused.setdefault(interpreter.context.lineage, set())
-        refused.update(interpreter.refused)
-        known[:] = [name for name in known if name not in refused]
 
     def _interpreter(self, context: Context, create: bool = True) -> WarmProcess | None:
         with self.lock:
@@ -286,9 +246,9 @@ class WarmPool:
                 interpreter.retire()
                 interpreter = None
             if interpreter is None and create:
+                modules, refused = self.lessons.for_new(context, list(self.interpreters.values()))
                 interpreter = self.interpreters[context.key] = WarmProcess(
-                    context, self.config, self._modules_for(context), sorted(self.refused.get(context.lineage, ())),
-                    on_reads=self._heard_reads)
+                    context, self.config, modules, refused, on_reads=self.lessons.heard_reads)
             if interpreter is not None:
                 self.interpreters.move_to_end(context.key)
             victims = []
@@ -302,7 +262,7 @@ class WarmPool:
         with self.lock:
             if self.interpreters.get(interpreter.context.key) is interpreter:
                 del self.interpreters[interpreter.context.key]
-            self._remember(interpreter)
+            self.lessons.remember(interpreter)
             self.retired += 1
         logger.info("retiring warm interpreter %d (%s)", interpreter.proc.pid, why)
         interpreter.retire()
@@ -313,10 +273,7 @@ class WarmPool:
         learn] in overmind.warm.interpreter)."""
         try:
             if modules:
-                with self.lock:
-                    known = self.learned.setdefault(context.lineage, [])
-                    seen = set(known)
-                    known.extend(n for n in modules if n not in seen and len(known) < MAX_LEARNED)
+                self.lessons.add(context, modules)
             interpreter = self._interpreter(context)
             with interpreter.lock:
                 if not interpreter.ready and not interpreter.retired:
@@ -430,6 +387,10 @@ class WarmPool:
         """A block in which ``fill`` waits for the fill of ``key``, an entry its call refers to."""
         return self._fills.depends(fill, key)
 
+    def filling_besides(self, key: str) -> bool:
+        """Is a fill other than ``key``'s in flight? (A restore lets clients' fills go first.)"""
+        return self._fills.in_flight_besides(key)
+
     def settling(self) -> int:
         """Loaders that answered and still rebuild their segments (``_Settling``)."""
         return self._settling.count
@@ -437,7 +398,7 @@ class WarmPool:
     def fork_run(self, context: Context, spec: RunSpec, fds: list[int]) -> int:
         """Fork a run from the context's ready interpreter; its pid, or RunRefused (and one is
         made ready for next time)."""
-        base, context = context, self.with_reads(context, spec.env)
+        base, context = context, self.lessons.with_reads(context, spec.env)
         interpreter = self._interpreter(context, create=False)
         if interpreter is None or not interpreter.ready:
             if interpreter is None:
@@ -447,7 +408,7 @@ class WarmPool:
             return interpreter.fork_run(spec, fds)
         except P.RemoteError as err:
             if err.code == P.ErrorCode.ENV_DIFFERS:  # it told us what its imports read: key on that now
-                again = self.with_reads(base, spec.env)
+                again = self.lessons.with_reads(base, spec.env)
                 if again.key != context.key:
                     threading.Thread(target=self.prepare, args=(again,), daemon=True, name="overmind-prepare").start()
                 raise RunRefused(f"{err.message} (Note [Settings an import read]); an interpreter imported "
@@ -485,6 +446,11 @@ class WarmPool:
             if self.interpreters.get(interpreter.context.key) is interpreter:
                 del self.interpreters[interpreter.context.key]
         interpreter.kill()
+
+    def live(self) -> list:
+        """Every warm interpreter (``WarmProcess``), least recently used first."""
+        with self.lock:
+            return list(self.interpreters.values())
 
     def describe(self) -> list:
         now = time.time()

@@ -48,3 +48,20 @@ class ProgramHistory:
             return []
         current_pid, keys, previous = found
         return list(previous if current_pid == pid else keys)
+
+    def snapshot(self) -> list[list]:
+        """[[program, keys of its last complete process], ...], least recently seen first: what
+        overmind.server.state keeps across a restart."""
+        with self._lock:
+            return [[program, list(previous if not keys else keys)]
+                    for program, (_, keys, previous) in self._programs.items() if keys or previous]
+
+    def restore(self, items: list[list]) -> None:
+        """What :meth:`snapshot` gave, checked by overmind.server.state: the next process of each
+        program prefetches those keys (``last`` answers them to any pid)."""
+        with self._lock:
+            for program, keys in items:
+                self._programs.pop(program, None)
+                self._programs[program] = (0, list(keys[:MAX_KEYS]), [])
+            while len(self._programs) > MAX_PROGRAMS:
+                self._programs.popitem(last=False)

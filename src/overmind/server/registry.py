@@ -48,8 +48,8 @@ from overmind.shared.config import memory_total
 
 logger = logging.getLogger("overmind.server.registry")
 
-__all__ = ["CacheEntry", "Registry", "Flight", "Reply", "Admission", "TooLarge", "default_budget", "FAILURE_TTL",
-           "MAX_FAILURES"]
+__all__ = ["CacheEntry", "Registry", "Flight", "Reply", "Admission", "TooLarge", "default_budget", "files_unchanged",
+           "FAILURE_TTL", "MAX_FAILURES"]
 
 
 class TooLarge(Exception):
@@ -135,18 +135,24 @@ class CacheEntry:
         saw? The ctime catches a rewrite in place with the mtime put back (Note [What a
         fingerprint cannot see] in overmind.shared.calls). A record of another shape is from a loader
         that is not ours: stale, so the call loads again rather than trusting it."""
-        for record in self.meta.files:
-            if not isinstance(record, list) or len(record) != 6 or not isinstance(record[0], str):
-                return False
-            path, size, mtime_ns, ino, dev, ctime_ns = record
-            try:
-                st = os.stat(path)
-            except (OSError, ValueError):  # ValueError: a NUL in the path
-                return False
-            if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns) != \
-                    (size, mtime_ns, ino, dev, ctime_ns):
-                return False
-        return True
+        return files_unchanged(self.meta.files)
+
+
+def files_unchanged(records) -> bool:
+    """Do the files of ``records`` (``LoadMeta.files``: [path, size, mtime_ns, ino, dev,
+    ctime_ns] each) still have that size, mtime, inode, device and ctime? A record of another
+    shape is not ours: False. Also what a restore checks before a refill (overmind.server.restore)."""
+    for record in records:
+        if not isinstance(record, list) or len(record) != 6 or not isinstance(record[0], str):
+            return False
+        path, size, mtime_ns, ino, dev, ctime_ns = record
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):  # ValueError: a NUL in the path
+            return False
+        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns) != (size, mtime_ns, ino, dev, ctime_ns):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -249,13 +255,15 @@ class Registry:
             reply = Reply(entry.key, entry.handles(), entry.nbytes, entry.meta, entry.skeleton)
             return reply, [os.dup(slot[0]) for slot in entry.slots if slot is not None]
 
-    def begin(self, key: str, lookup_only: bool = False) -> Admission:
+    def begin(self, key: str, lookup_only: bool = False, count: bool = True) -> Admission:
         """A hit, the flight to wait for (started by this request or another), or a remembered failure.
 
         Past ``max_flights`` loads waiting or running, a new key starts nothing and is answered
-        as a failure that is not remembered: the caller loads plainly.
+        as a failure that is not remembered: the caller loads plainly. ``count``: False for a
+        restore's refill (overmind.server.restore), which is no client's hit or miss.
         """
-        reply = self.get(key)
+        entry = self._fresh_entry(key)
+        reply = None if entry is None else self._hit(entry, count)
         if reply is not None:
             return Admission(reply=reply)
         with self._lock:
@@ -275,10 +283,10 @@ class Registry:
                 if len(self._flights) >= self.max_flights:
                     return Admission(busy=True)
                 flight = self._flights[key] = Flight()
-                self.misses += 1
+                self.misses += count
                 return Admission(flight=flight, started=True)
-        reply = self._hit(entry)
-        return Admission(reply=reply) if reply is not None else self.begin(key, lookup_only)
+        reply = self._hit(entry, count)
+        return Admission(reply=reply) if reply is not None else self.begin(key, lookup_only, count)
 
     def finish(self, key: str, flight: Flight, *, remember: bool) -> None:
         """End ``flight``: wake its waiters; remember its failure per
@@ -370,6 +378,11 @@ class Registry:
             if prefix in self._entries:
                 return [prefix]
             return [k for k in self._entries if k.startswith(prefix)]
+
+    def recency(self) -> dict[str, float]:
+        """key -> when it was last used, for every entry (what overmind.server.state keeps)."""
+        with self._lock:
+            return {key: entry.last_used for key, entry in self._entries.items()}
 
     def keys(self) -> list[str]:
         with self._lock:

@@ -42,6 +42,12 @@ Standard library only (the server imports it)::
                            to a warm interpreter, as ``overmind run`` does (overmind.api).
 ``OVERMIND_NO_EXT``        ``1``: install and run without the compiled ``overmind._C``
                            (read by ``setup.py`` and ``overmind.shared.native``).
+``OVERMIND_STATE_DIR``     where the server keeps what it learned across restarts (overmind.server.state);
+                           else ``$XDG_STATE_HOME/overmind``, else ``~/.local/state/overmind``.
+                           Created 0700; refused if another user owns it or others can write it.
+``OVERMIND_RESTORE``       how much of the recently used cache a fresh server refills on its own
+                           (overmind.server.restore): ``40G``, ``512M``, bytes, or ``60%`` of the memory
+                           budget (default ``100%``); ``0``: nothing (the state is still kept).
 =========================  =========================================================
 
 Yes/no settings take ``1``, ``true``, ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off``
@@ -62,7 +68,8 @@ if TYPE_CHECKING:
     from pathlib import Path
     from typing import Callable, Optional
 
-__all__ = ["Config", "ConfigError", "default_runtime_dir", "ensure_private_dir", "open_runtime_file",
+__all__ = ["Config", "ConfigError", "default_runtime_dir", "default_state_dir", "ensure_private_dir",
+           "open_runtime_file",
            "write_runtime_file", "read_runtime_file", "patching_disabled", "prestart_enabled",
            "extra_patch_points", "flag", "selecting_environment", "ENV_PREFIXES", "ENV_NAMES", "FLAG_SPELLINGS",
            "LOG_LEVELS", "COLD_MODES"]
@@ -227,6 +234,28 @@ def _size(env, name: str) -> Optional[int]:
         raise ConfigError(f"{name}={raw!r} is not a size: {err}{accepted}") from None
 
 
+def _restore(env, name: str) -> tuple:
+    """``OVERMIND_RESTORE``: (bytes, None) or (None, share of the budget); ``0`` is (0, 0.0)."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None, 1.0
+    accepted = "accepted: 40G, 512M, a number of bytes, 60% of the memory budget, or 0 for no restore"
+    if raw.endswith("%"):
+        try:
+            share = float(raw[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 <= share <= 100:
+            raise ConfigError(f"{name}={raw!r} is not a share of the budget ({accepted})")
+        return None, share / 100
+    if raw in ("0", "0B", "0b"):
+        return 0, 0.0
+    try:
+        return parse_size(raw), 1.0
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a size ({accepted})") from None
+
+
 def _choice(env, name: str, choices: tuple, default: str, fold=str.lower) -> str:
     raw = env.get(name, "").strip()
     if not raw:
@@ -252,12 +281,27 @@ def default_runtime_dir(env=None) -> Path:
     return Path(runtime_dir_path(env))
 
 
-def ensure_private_dir(path: Path) -> Path:
+def default_state_dir(env=None) -> Path:
+    """``OVERMIND_STATE_DIR``, else ``$XDG_STATE_HOME/overmind``, else ``~/.local/state/overmind``."""
+    from pathlib import Path
+
+    env = os.environ if env is None else env
+    if env.get("OVERMIND_STATE_DIR"):
+        return Path(os.path.abspath(env["OVERMIND_STATE_DIR"]))
+    if env.get("XDG_STATE_HOME") and os.path.isabs(env["XDG_STATE_HOME"]):  # the XDG spec: a relative one is ignored
+        return Path(env["XDG_STATE_HOME"]) / "overmind"
+    home = env.get("HOME") or os.path.expanduser("~")
+    return Path(home) / ".local" / "state" / "overmind"
+
+
+def ensure_private_dir(path: Path, what: str = "runtime directory", setting: str = "OVERMIND_RUNTIME_DIR",
+                       forbidden: int = 0o077) -> Path:
     """Create ``path`` 0700, or check that an existing one is ours and private (DESIGN invariant 5).
 
-    An existing directory that others can enter is refused, never chmod-ed: it may be a
-    shared one (``/tmp``, a group's folder) whose mode others rely on, and files already in
-    it may have been planted. See Note [Runtime files are opened, never followed].
+    An existing directory with a ``forbidden`` mode bit (the runtime directory: any access by
+    others; the state directory: write access by others) is refused, never chmod-ed: it may
+    be a shared one (``/tmp``, a group's folder) whose mode others rely on, and files already
+    in it may have been planted. See Note [Runtime files are opened, never followed].
     """
     created = False
     try:
@@ -266,20 +310,20 @@ def ensure_private_dir(path: Path) -> Path:
     except FileExistsError:
         pass
     except OSError as err:
-        raise ConfigError(f"cannot create runtime directory {path}: {err.strerror}") from None
+        raise ConfigError(f"cannot create {what} {path}: {err.strerror}") from None
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"runtime directory {path} is not a directory (a symlink?); remove it")
+        raise ConfigError(f"{what} {path} is not a directory (a symlink?); remove it")
     if st.st_uid != os.getuid():
-        raise ConfigError(f"runtime directory {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
-                          "set OVERMIND_RUNTIME_DIR to a private directory")
-    if st.st_mode & 0o077:
+        raise ConfigError(f"{what} {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+                          f"set {setting} to a private directory")
+    if st.st_mode & forbidden:
         if created:  # mkdir's mode met a strange umask; the directory is new and empty, so ours to fix
             os.chmod(path, 0o700)
         else:
-            raise ConfigError(f"runtime directory {path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+            raise ConfigError(f"{what} {path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
                               f"overmind needs a private one: `chmod 700 {path}` if it is yours alone, or set "
-                              "OVERMIND_RUNTIME_DIR to a new path")
+                              f"{setting} to a new path")
     return path
 
 
@@ -350,10 +394,11 @@ class Config:
 
     __slots__ = ("runtime_dir", "disable", "strict", "timeout", "reply_timeout", "loader_timeout", "workers",
                  "autostart", "cold_wait", "log_level", "max_memory", "warm_max", "warm_idle", "warm_memory",
-                 "fill_yield")
+                 "fill_yield", "state_dir", "restore_bytes", "restore_share")
     _DEFAULTS = {"disable": False, "strict": False, "timeout": 300.0, "reply_timeout": 2.0, "loader_timeout": 3600.0,
                  "workers": 2, "autostart": True, "cold_wait": False, "log_level": "INFO", "max_memory": None,
-                 "warm_max": 4, "warm_idle": 1800.0, "warm_memory": 8 << 30, "fill_yield": 120.0}
+                 "warm_max": 4, "warm_idle": 1800.0, "warm_memory": 8 << 30, "fill_yield": 120.0,
+                 "state_dir": None, "restore_bytes": None, "restore_share": 1.0}
 
     runtime_dir: Path
     disable: bool
@@ -370,6 +415,9 @@ class Config:
     warm_idle: float  # seconds before an unused one is retired
     warm_memory: int  # bytes of PSS all of them together may hold
     fill_yield: float  # seconds a cache fill nobody waits for waits for its caller, then yields the CPU
+    state_dir: Optional[Path]  # None: no state kept (overmind.server.state)
+    restore_bytes: Optional[int]  # OVERMIND_RESTORE as bytes; None: restore_share of the budget
+    restore_share: float  # OVERMIND_RESTORE as a share of the memory budget (0: no restore)
 
     def __init__(self, runtime_dir: Path, **values) -> None:
         unknown = set(values) - set(self._DEFAULTS)
@@ -421,10 +469,15 @@ class Config:
         read("warm_idle", _number, "OVERMIND_WARM_IDLE", 1800.0, 1.0)
         read("warm_memory", _size, "OVERMIND_WARM_MEMORY")
         read("fill_yield", _number, "OVERMIND_FILL_YIELD", 120.0, 0.0)
+        read("restore", _restore, "OVERMIND_RESTORE")
         if errors:
             raise ConfigError("; ".join(errors))
+        restore_bytes, restore_share = values.pop("restore")
         return cls(
             runtime_dir=default_runtime_dir(env),
+            state_dir=default_state_dir(env),
+            restore_bytes=restore_bytes,
+            restore_share=restore_share,
             disable=_flag(env, "OVERMIND_DISABLE", notes=notes),
             strict=strict,
             autostart=not _flag(env, "OVERMIND_NO_AUTOSTART", notes=notes),
@@ -448,6 +501,17 @@ class Config:
     def lock_path(self) -> Path:
         """Held by a client while it starts a server (racing clients start one)."""
         return self.runtime_dir / "server.lock"
+
+    @property
+    def state_path(self) -> Optional[Path]:
+        """This server's state file (overmind.server.state): one per runtime directory, so two servers
+        of one user (two runtime directories) never restore each other's cache."""
+        if self.state_dir is None:
+            return None
+        import hashlib
+
+        tag = hashlib.sha256(os.fsencode(str(self.runtime_dir))).hexdigest()[:12]
+        return self.state_dir / f"state-{tag}.json"
 
     @property
     def instance_lock_path(self) -> Path:

@@ -1,0 +1,161 @@
+"""The restart_restore scenario: how warm a fresh server is after a restart (issue 23).
+
+    python -m overmind.bench.restart --scale base              # SD1.5 sizes and the 1 B LM
+    python -m overmind.bench.restart --scale small --stop sigkill --json out.json
+
+With the whole-process scenario's scripts (overmind.bench.whole: the seed's ControlNet
+pipeline and the LM), on a private server: plain ``python`` twice (the reference times and
+weights); each script twice patched and twice with ``overmind run`` (the cache and the
+interpreter learn); then for each way of stopping (``overmind shutdown``, SIGKILL):
+
+- *restore*: ``overmind-server --daemon`` on the same runtime and state directories, timed
+  until ``overmind status --wait-ready`` returns (Note [Restore after a restart] in
+  overmind.server.restore);
+- the very next run of each script from the shell, with ``overmind run`` and patched, against
+  plain (targets: <= 0.15 x and <= 0.92 x plain), its weights' checksum equal to plain's;
+- *cold fill*: the same restore again with the state's learning taken out (no modules, no
+  warm interpreters: each refill starts as a first miss would), timed the same way
+  (target: restore <= cold fill x 1.2).
+
+Times are from the start of the process to its model ready (``ready``) and to its exit, as
+overmind.bench.whole measures them. One JSON document on stdout (or ``--json FILE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from overmind.bench.harness import BenchServer
+from overmind.bench.models import SCALES, default_cache_dir, ensure_models
+from overmind.bench.whole import RUN_TIMEOUT, SCRIPTS, front_end, read_marks, script_source
+
+__all__ = ["main", "TARGETS"]
+
+TARGETS = {"restore_over_cold_fill": 1.2, "run_over_plain": 0.15, "patched_over_plain": 0.92}
+SCRIPT_NAMES = ("controlnet", "lm")
+
+
+def _time(argv: list, env: dict, cwd: str) -> dict:
+    start = time.monotonic()
+    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    end = time.monotonic() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr[-3000:]}")
+    marks = read_marks(proc.stdout, start)
+    return {"ready": marks["ready"][0], "exit": end, "weights": marks["used"][3][1]}
+
+
+def _wait_gone(pid: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def _restart(server: BenchServer, stop: str, strip_learning: bool = False) -> dict:
+    """Stop the server as ``stop`` says, start a fresh one, time it until ready."""
+    pid = server.pid
+    if stop == "sigkill":
+        os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid)
+    else:
+        server.cli("shutdown")
+    if strip_learning:  # Note: a cold fill of the same entries (module docstring)
+        for path in (server.runtime_dir / "state").glob("state-*.json"):
+            doc = json.loads(path.read_text())
+            for context in doc["contexts"]:
+                context["modules"], context["interpreters"] = [], []
+            path.write_text(json.dumps(doc))
+    start = time.monotonic()
+    server.launch()
+    server.cli("status", "--wait-ready", "--timeout", "1800")
+    seconds = time.monotonic() - start
+    return {"seconds": seconds, "restore": server.status()["restore"]}
+
+
+def run(scale: str, stops: list, say) -> dict:
+    paths = ensure_models(default_cache_dir(), scale, sorted({m for n in SCRIPT_NAMES for m in SCRIPTS[n].models}))
+    folder = Path(tempfile.mkdtemp(prefix="om-bench-restart-"))
+    for name in SCRIPT_NAMES:
+        (folder / f"{name}.py").write_text(script_source(name, paths))
+    server = BenchServer.start()
+    results: dict = {"scale": scale, "targets": TARGETS, "plain": {}, "stops": {}}
+    try:
+        env = server.client_env()
+        patched_env = server.client_env({"OVERMIND": "1"})
+        python = [sys.executable]
+        for name in SCRIPT_NAMES:
+            plain = [_time(python + [f"{name}.py"], env, str(folder)) for _ in range(2)]
+            results["plain"][name] = {"ready": statistics.median(p["ready"] for p in plain),
+                                      "exit": statistics.median(p["exit"] for p in plain),
+                                      "weights": plain[0]["weights"]}
+            say(f"plain {name}: ready {results['plain'][name]['ready']:.2f}s, exit {results['plain'][name]['exit']:.2f}s")
+        for name in SCRIPT_NAMES:  # the learning runs
+            for argv in (python, front_end(), python, front_end()):
+                _time(argv + [f"{name}.py"], patched_env, str(folder))
+                server.wait_idle()
+        time.sleep(3)  # one save at least (SAVE_INTERVAL) after the last fill
+        for stop in stops:
+            restored = _restart(server, stop)
+            say(f"{stop}: restore {restored['seconds']:.2f}s ({restored['restore']})")
+            nxt = {}
+            for name in SCRIPT_NAMES:
+                for mode, argv in (("run", front_end()), ("patched", python)):
+                    t = _time(argv + [f"{name}.py"], patched_env, str(folder))
+                    plain = results["plain"][name]
+                    nxt[f"{name}/{mode}"] = {**t, "over_plain": t["exit"] / plain["exit"],
+                                             "weights_equal": t["weights"] == plain["weights"]}
+                    say(f"  next {mode} {name}: exit {t['exit']:.2f}s = {t['exit'] / plain['exit']:.3f} x plain, "
+                        f"weights {'equal' if t['weights'] == plain['weights'] else 'DIFFER'}")
+            server.wait_idle()
+            time.sleep(3)
+            cold = _restart(server, "shutdown", strip_learning=True)
+            say(f"  cold fill of the same entries: {cold['seconds']:.2f}s ({cold['restore']})")
+            server.wait_idle()
+            results["stops"][stop] = {"restore_seconds": restored["seconds"], "restore": restored["restore"],
+                                      "cold_fill_seconds": cold["seconds"], "cold_fill": cold["restore"],
+                                      "restore_over_cold_fill": restored["seconds"] / cold["seconds"],
+                                      "next": nxt}
+            # The cold fill's learning runs put the learning back for the next stop.
+            for name in SCRIPT_NAMES:
+                for argv in (python, front_end()):
+                    _time(argv + [f"{name}.py"], patched_env, str(folder))
+                    server.wait_idle()
+            time.sleep(3)
+    finally:
+        server.stop()
+    return results
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m overmind.bench.restart", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", choices=sorted(SCALES), default="base", help="model sizes (default base: SD1.5)")
+    parser.add_argument("--stop", choices=("shutdown", "sigkill", "both"), default="both")
+    parser.add_argument("--json", metavar="FILE", help="write the results here (default: stdout)")
+    args = parser.parse_args(argv)
+    stops = ["shutdown", "sigkill"] if args.stop == "both" else [args.stop]
+    results = run(args.scale, stops, lambda line: print(line, file=sys.stderr, flush=True))
+    text = json.dumps(results, indent=1, sort_keys=True)
+    if args.json:
+        Path(args.json).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
