@@ -35,6 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from overmind import protocol as P
+from overmind.aoti import MAX_PACKAGES, refusal_name, spec_key
 from overmind.config import Config, open_runtime_file, selecting_environment
 from overmind.fill_priority import Fill, FillPriorities, can_lift_idle, every_thread, to_normal
 from overmind.import_env import MAX_NAMES, MAX_PREFIXES, reads_from_wire, select
@@ -125,7 +126,8 @@ class RunRefused(Exception):
 class Zygote:
     """One warm interpreter for a context (overmind.zygote); forks a child per load or run."""
 
-    def __init__(self, context: Context, config: Config, modules: list, refused: list = (), on_reads=None) -> None:
+    def __init__(self, context: Context, config: Config, modules: list, refused: list = (), on_reads=None,
+                 packages: list = ()) -> None:
         self.context = context
         self.on_reads = on_reads  # called with (context, names, prefixes) its imports read
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -145,7 +147,7 @@ class Zygote:
         self.sock = ours
         self.sock.settimeout(READY_TIMEOUT)
         try:
-            P.send_message(self.sock, P.Warm(list(modules), refused=list(refused)))
+            P.send_message(self.sock, P.Warm(list(modules), refused=list(refused), packages=list(packages)))
         except OSError:  # it exited at once: the first job hears EOF and reports how it ended (exit_note)
             pass
         self.lock = threading.Lock()
@@ -280,6 +282,7 @@ class LoaderPool:
         self.zygotes: "OrderedDict[str, Zygote]" = OrderedDict()
         self.learned: dict[str, list] = {}  # context key -> installed modules its runs and loads imported
         self.refused: dict[str, set] = {}  # context key -> modules that started a thread when imported
+        self.packages: dict[str, list] = {}  # lineage -> AOTInductor packages to preload (overmind.aoti)
         # context lineage -> (names, prefixes) its interpreters' imports read: Note [Settings an import read]
         self.reads: dict[str, tuple[set, set]] = {}
         self.reads_lock = threading.Lock()
@@ -333,7 +336,8 @@ class LoaderPool:
             if zygote is None and create:
                 zygote = self.zygotes[context.key] = Zygote(context, self.config, self._modules_for(context),
                                                             sorted(self.refused.get(context.lineage, ())),
-                                                            on_reads=self._heard_reads)
+                                                            on_reads=self._heard_reads,
+                                                            packages=self._packages_for(context))
             if zygote is not None:
                 self.zygotes.move_to_end(context.key)
             victims = []
@@ -352,10 +356,29 @@ class LoaderPool:
         logger.info("retiring warm interpreter %d (%s)", zygote.proc.pid, why)
         zygote.retire()
 
-    def prepare(self, context: Context, modules: list = ()) -> None:
+    def _packages_for(self, context: Context) -> list:
+        """The lineage's AOTInductor packages, but those that started a thread where loaded."""
+        refused = self.refused.get(context.lineage, set())
+        return [p for p in self.packages.get(context.lineage, ()) if refusal_name(p) not in refused]
+
+    def _learn_packages(self, context: Context, packages: list) -> None:
+        """Note [AOTInductor packages are handed over] in overmind.aoti: every interpreter of the
+        lineage preloads them (a run may be forked from a variant keyed on what imports read)."""
+        with self.lock:
+            known = self.packages.setdefault(context.lineage, [])
+            for spec in packages:
+                known[:] = [k for k in known if spec_key(k) != spec_key(spec)] + [spec]
+            del known[:-MAX_PACKAGES]
+            zygotes = [z for z in self.zygotes.values() if z.context.lineage == context.lineage]
+        for zygote in zygotes:
+            with zygote.lock:
+                if not zygote.retired and zygote.alive:
+                    P.send_message(zygote.sock, P.Warm([], packages=list(packages)))
+
+    def prepare(self, context: Context, modules: list = (), packages: list = ()) -> None:
         """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all()),
         and have it import ``modules``, which a client of it imported (Note [Warm interpreters
-        learn] in overmind.zygote)."""
+        learn] in overmind.zygote), and preload ``packages`` (overmind.aoti)."""
         try:
             if modules:
                 with self.lock:
@@ -368,6 +391,8 @@ class LoaderPool:
                     zygote._wait_ready()
                 if modules and not zygote.retired:
                     P.send_message(zygote.sock, P.Warm(list(modules)))
+            if packages:
+                self._learn_packages(context, packages)
         except Exception as err:  # a later load retries and reports properly
             logger.warning("preparing a warm interpreter for context %s failed: %s", context.key, err)
 

@@ -34,6 +34,7 @@ from typing import Optional
 
 from overmind import __version__
 from overmind import protocol as P
+from overmind.aoti import packages_from_wire
 from overmind.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
                              write_runtime_file)
 from overmind.cold_loads import MAX_TEXT, ColdLoads, reply_error
@@ -321,7 +322,8 @@ class Server:
                 modules = ColdLoads.check_modules(message.modules)
             except LoadFailure as failure:
                 return reply_error(conn, failure.code, failure.message)
-            threading.Thread(target=self.loaders.prepare, args=(context, modules), daemon=True,
+            packages = packages_from_wire(message.packages)  # Note [AOTInductor packages are handed over]
+            threading.Thread(target=self.loaders.prepare, args=(context, modules, packages), daemon=True,
                              name="overmind-prepare").start()
             P.send_message(conn, P.Ok())
         elif isinstance(message, P.PlainLoaded):  # no answer: the client does not wait for one

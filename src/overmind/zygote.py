@@ -71,6 +71,7 @@ import sys
 import threading
 
 from overmind import protocol as P
+from overmind.compiled import PRIMING, compile_stack_held, pool_started
 from overmind.import_env import Reads, differs, recording
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class WarmInterpreter:
         self.retiring = False
         self.learned: list[str] = []  # what runs imported that we did not hold: for our successor
         self.to_learn: list[str] = []
+        self.to_preload: list[dict] = []  # AOTInductor packages: Note [AOTInductor packages are handed over]
         self.refused_modules: set[str] = set()
         self.reads = Reads()  # Note [Settings an import read] in overmind.import_env
         self.told: tuple[set, set] = (set(), set())  # the names and prefixes the server has heard of
@@ -130,6 +132,8 @@ class WarmInterpreter:
         imported += self._import(warm.modules)
         self._record_files()
         self._index()
+        self._prime()
+        self._to_preload(warm.packages)
         if yielding:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         P.send_message(self.control, P.LoaderReady(os.getpid(), imported, refused=sorted(self.refused_modules),
@@ -174,6 +178,37 @@ class WarmInterpreter:
         with recording(self.reads):
             _index_bound_names()
 
+    def _prime(self) -> None:
+        """Note [Inductor's probes, made once] in overmind.compiled: once, if the compile stack was learned."""
+        if PRIMING not in self.refused_modules and compile_stack_held():
+            from overmind.compiled import prime_warm
+
+            files, refuse = prime_warm(self.reads)
+            self._record_files(files)
+            if refuse:
+                self.refused_modules.add(PRIMING)  # the context's next interpreters do not prime
+
+    def _to_preload(self, packages) -> None:
+        from overmind.aoti import packages_from_wire, spec_key
+
+        queued = {spec_key(p) for p in self.to_preload}
+        self.to_preload += [p for p in packages_from_wire(packages) if spec_key(p) not in queued]
+
+    def _preload_one(self) -> None:
+        """One AOTInductor package loaded, never run: Note [AOTInductor packages are handed over] in overmind.aoti."""
+        from overmind.aoti import preload_warm
+
+        yielding = _yield_cpu()
+        try:
+            refused = preload_warm(self.to_preload.pop(0), self.reads, self.refused_modules)
+        finally:
+            if yielding:
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        self.refused_modules.update(refused)
+        self._record_files()  # what loading it imported (torch._inductor, if no run had)
+        self._index()
+        self._prime()
+
     def _news(self) -> dict:
         """The names and prefixes read since the server last heard: only news travels."""
         names = [n for n in self.reads.names if n not in self.told[0]]
@@ -182,11 +217,11 @@ class WarmInterpreter:
         self.told[1].update(prefixes)
         return {"names": names, "prefixes": prefixes} if names or prefixes else {}
 
-    def _record_files(self) -> None:
+    def _record_files(self, extra=()) -> None:
         from overmind.installed import installed_modules
 
-        for name in installed_modules(exclude=()):
-            path = getattr(sys.modules.get(name), "__file__", None)
+        paths = [getattr(sys.modules.get(name), "__file__", None) for name in installed_modules(exclude=())]
+        for path in [*paths, *extra]:
             if isinstance(path, str) and path not in self.files:
                 try:
                     st = os.stat(path)
@@ -197,10 +232,9 @@ class WarmInterpreter:
     # -- fork safety --------------------------------------------------------------------------
 
     def _why_not_forkable(self) -> str:
-        if threading.active_count() != 1:
-            return f"{threading.active_count()} Python threads (Note [Forking past torch's thread])"
-        if _native_threads() > self.threads:
-            return f"{_native_threads()} native threads, {self.threads} when ready"
+        why = pool_started(self.threads)  # Note [No thread pool before a fork] in overmind.compiled
+        if why:
+            return why
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             return "CUDA was initialised here (Note [Zygotes never touch CUDA] in overmind.loader_pool)"
@@ -224,7 +258,7 @@ class WarmInterpreter:
             watched += [c.report for c in self.runs.values() if c.report >= 0]
             if not self.retiring:
                 watched.append(self.control)
-            timeout = 0 if self.to_learn and not self.retiring else None
+            timeout = 0 if (self.to_learn or self.to_preload) and not self.retiring else None
             try:
                 ready, _, _ = select.select(watched, [], [], timeout)
             except InterruptedError:
@@ -241,6 +275,8 @@ class WarmInterpreter:
                 self._control()
             elif self.to_learn and not self.retiring:
                 self._learn_one()
+            elif self.to_preload and not self.retiring:
+                self._preload_one()
 
     def _drain_wakeup(self) -> None:
         try:
@@ -307,6 +343,7 @@ class WarmInterpreter:
         self._import(now)
         self._record_files()
         self._index()
+        self._prime()
 
     def _learn_one(self) -> None:
         """One learned module, then back to select: a Fork waiting goes first (Note [Warm interpreters learn])."""
@@ -320,6 +357,7 @@ class WarmInterpreter:
         if not self.to_learn:
             self._record_files()
             self._index()
+            self._prime()
 
     def _front_end_gone(self, pid: int, child: _RunChild) -> None:
         """The front end closed its connection (killed, or its terminal went away): so does the run."""
@@ -357,6 +395,7 @@ class WarmInterpreter:
             P.close_fds(fds)
             self.refused_modules.update(n for n in message.refused if isinstance(n, str))
             self._to_learn(message.modules)
+            self._to_preload(message.packages)
             return
         expected = 1 if isinstance(message, P.Job) else 4 if isinstance(message, P.Fork) else -1
         if len(fds) != expected:
