@@ -181,6 +181,9 @@ def preload(spec: dict) -> str:
     _failed.add(attempt)  # until it loads: a package that raises is not tried again each run
     runner = _resolve(spec["point"])(spec["path"], **spec["kwargs"])
     _failed.discard(attempt)
+    from overmind.compiled import forget_isa_list
+
+    forget_isa_list()  # loading asked for it: Note [Inductor's probes, made once] in overmind.compiled
     if _fingerprint(spec["path"]) != fingerprint:
         return "changed while it loaded"
     _loaded[key] = (runner, fingerprint)

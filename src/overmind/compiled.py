@@ -3,7 +3,8 @@ and the check that nothing a fork breaks was started. Runs in the warm interpret
 (overmind.zygote) only::
 
     if compiled.compile_stack_held():
-        files, error = compiled.prime_inductor()   # once; ``files``: what the answers depend on
+        priming = compiled.Priming()               # once; then, between forks, until .done:
+        priming.step(reads)                        # one probe; .files: what the answers depend on
     why = compiled.pool_started(threads_when_ready)  # "" or why a child forked now would hang
 
 Note [Inductor's probes, made once]
@@ -26,9 +27,13 @@ hashes. The answers are what a plain process would compute now, as long as their
 - the compiler binary and the header behind the precompiled one are files the interpreter
   checks before each fork, as it checks its modules (Note [Warm interpreters] in
   overmind.zygote): a compiler or torch upgrade retires it;
-- Inductor's settings (``torch._inductor.config``) changed by the script itself are seen: the
-  ISA answer is cached per ``config.cpp.vec_isa_ok``, the header per command line, so a run
-  with other flags asks again, as plain would.
+- Inductor's settings (``torch._inductor.config``) changed by the script itself are seen: only
+  answers cached per the setting they depend on are kept (each ISA's probe per
+  ``config.cpp.vec_isa_ok``, the compiler per ``config.cpp.cxx``, the header per command line);
+  ``valid_vec_isa_list()`` and the AVX512/AMX classes' own ``__bool__``, cached whatever the
+  setting was at their first call, are dropped before any fork (:func:`forget_isa_list`), so a
+  run that sets ``vec_isa_ok`` first sees no ISA, as plain does (their extra bf16/AMX probes,
+  on CPUs that have those, are made again in each run).
 The header is primed for the command line of a CPU kernel with the best ISA (what Inductor
 compiles for a plain ``torch.compile`` on CPU); any other command line is a miss that costs
 the run what plain pays. Replicating that command line reaches into Inductor's internals:
@@ -51,6 +56,7 @@ pool was started; ``torch.get_num_threads()`` only reports the size it would hav
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -60,7 +66,7 @@ import time
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compile_stack_held", "prime_inductor", "prime_warm", "pool_started", "native_threads", "PRIMING"]
+__all__ = ["compile_stack_held", "Priming", "prime_inductor", "pool_started", "native_threads", "forget_isa_list", "PRIMING"]
 
 COMPILE_STACK = "torch._inductor"
 # The name a failed or thread-starting priming is refused under (Note [Forking past torch's
@@ -94,47 +100,102 @@ def pool_started(threads_when_ready: int) -> str:
     return ""
 
 
-def prime_warm(reads) -> tuple[list[str], bool]:
-    """:func:`prime_inductor` in a warm interpreter, the settings it reads recorded into
-    ``reads`` (Note [Settings an import read] in overmind.import_env): (the files its answers
-    depend on, whether to refuse priming in this context: it failed, or started a thread)."""
-    from overmind.import_env import recording
+class Priming:
+    """Note [Inductor's probes, made once], one probe a step: the warm interpreter makes a step
+    between forks, so a run waiting for its fork goes first (as learned imports do: Note [Warm
+    interpreters learn] in overmind.zygote) and makes whatever probe is left itself."""
 
-    before = native_threads()
-    with recording(reads):
-        files, error = prime_inductor()
-    started = native_threads() != before
-    if started:
-        logger.warning("priming Inductor's probes started a thread: this interpreter will not fork again")
-    return files, bool(error) or started
+    def __init__(self) -> None:
+        self.steps: list | None = None  # None: not planned yet
+        self.files: list[str] = []  # what the answers depend on: checked before each fork
+        self.refuse = False  # it failed or started a thread: the context's next interpreters do not prime
+        self.started = time.monotonic()
 
+    @property
+    def done(self) -> bool:
+        return self.steps == []
 
-def prime_inductor() -> tuple[list[str], str]:
-    """Note [Inductor's probes, made once]: ask Inductor's per-process questions now. Returns
-    (the files the answers depend on, "" or why priming failed). Idempotent; never raises."""
-    global _primed
-    if _primed:
-        return [], ""
-    _primed = True
-    started = time.monotonic()
-    files: list[str] = []
-    try:
+    def step(self, reads) -> None:
+        """One probe, the settings it reads recorded into ``reads`` (Note [Settings an import
+        read] in overmind.import_env). Never raises."""
+        from overmind.import_env import recording
+
+        before = native_threads()
+        try:
+            with recording(reads):
+                if self.steps is None:
+                    self.steps = self._plan()
+                elif self.steps:
+                    self.steps.pop(0)()
+        except Exception as err:  # noqa: BLE001 - priming is a head start; the run asks itself
+            logger.warning("priming Inductor's probes failed (runs will make them): %r", err)
+            self.steps, self.refuse = [], True
+        if native_threads() != before:
+            logger.warning("priming Inductor's probes started a thread: this interpreter will not fork again")
+            self.steps, self.refuse = [], True
+        if self.done and not self.refuse:
+            logger.info("primed Inductor's probes in %.2f s", time.monotonic() - self.started)
+
+    def run(self, reads) -> None:
+        while not self.done:
+            self.step(reads)
+
+    def _plan(self) -> list:
+        import platform
+
         from torch._inductor import codecache, config, cpp_builder, cpu_vec_isa
 
-        isa = cpu_vec_isa.pick_vec_isa()  # valid_vec_isa_list(): the dlopen probes
-        codecache.torch_key()
-        compiler = cpp_builder.get_cpp_compiler()
-        cpp_builder.get_compiler_version_info(compiler)
-        binary = shutil.which(compiler)
-        if binary:
-            files.append(os.path.realpath(binary))
-        if config.cpp_cache_precompile_headers and isa:
-            files += _prime_header(codecache, config, cpp_builder, isa)
-    except Exception as err:  # noqa: BLE001 - priming is a head start; the run asks itself
-        logger.warning("priming Inductor's probes failed (runs will make them): %r", err)
-        return files, repr(err)
-    logger.info("primed Inductor's probes in %.2f s", time.monotonic() - started)
-    return files, ""
+        # Each vector ISA's probe (VecISA.__bool__: compile and dlopen a test library), as
+        # valid_vec_isa_list() makes them on x86, but not that list itself: it is cached whatever
+        # config.cpp.vec_isa_ok was at its first call, and a script may set that first.
+        candidates = []
+        if platform.machine() in ("x86_64", "AMD64"):
+            flags = cpu_vec_isa.x86_isa_checker()
+            candidates = [i for i in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(i).split())]
+
+        def compiler() -> None:
+            name = cpp_builder.get_cpp_compiler()
+            cpp_builder.get_compiler_version_info(name)
+            binary = shutil.which(name)
+            if binary:
+                self.files.append(os.path.realpath(binary))
+
+        def header() -> None:
+            valid = [isa for isa in candidates if isa]  # answered by the steps before
+            if config.cpp_cache_precompile_headers and valid:
+                self.files.extend(_prime_header(codecache, config, cpp_builder, valid[0]))
+            forget_isa_list()  # building the command line asked for it
+
+        return [*(functools.partial(bool, isa) for isa in candidates), codecache.torch_key, compiler, header]
+
+
+def prime_inductor(reads=None) -> Priming:
+    """Every probe now (Note [Inductor's probes, made once]); the warm interpreter steps instead."""
+    from overmind.import_env import Reads
+
+    priming = Priming()
+    priming.run(reads if reads is not None else Reads())
+    return priming
+
+
+def forget_isa_list() -> None:
+    """Drop the ISA answers cached whatever ``config.cpp.vec_isa_ok`` is: ``valid_vec_isa_list()``
+    and the ``__bool__`` of ISA classes that cache it per instance only (AVX512, AMX: their own
+    extra checks), so a run that sets ``vec_isa_ok`` before its first compile sees what plain
+    would. The probe each relies on stays, cached per that setting (``VecISA.__bool__impl``;
+    Note [Inductor's probes, made once])."""
+    cpu_vec_isa = sys.modules.get("torch._inductor.cpu_vec_isa")
+    if cpu_vec_isa is None:
+        return
+    if hasattr(cpu_vec_isa.valid_vec_isa_list, "cache_clear"):
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    todo = [cpu_vec_isa.VecISA]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        own = cls.__dict__.get("__bool__")
+        if hasattr(own, "cache_clear"):
+            own.cache_clear()
 
 
 def _prime_header(codecache, config, cpp_builder, isa) -> list[str]:

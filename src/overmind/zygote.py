@@ -71,7 +71,7 @@ import sys
 import threading
 
 from overmind import protocol as P
-from overmind.compiled import PRIMING, compile_stack_held, pool_started
+from overmind.compiled import PRIMING, Priming, compile_stack_held, pool_started
 from overmind.import_env import Reads, differs, recording
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class WarmInterpreter:
         self.learned: list[str] = []  # what runs imported that we did not hold: for our successor
         self.to_learn: list[str] = []
         self.to_preload: list[dict] = []  # AOTInductor packages: Note [AOTInductor packages are handed over]
+        self.priming: Priming | None = None  # Note [Inductor's probes, made once] in overmind.compiled
         self.refused_modules: set[str] = set()
         self.reads = Reads()  # Note [Settings an import read] in overmind.import_env
         self.told: tuple[set, set] = (set(), set())  # the names and prefixes the server has heard of
@@ -179,13 +180,21 @@ class WarmInterpreter:
             _index_bound_names()
 
     def _prime(self) -> None:
-        """Note [Inductor's probes, made once] in overmind.compiled: once, if the compile stack was learned."""
-        if PRIMING not in self.refused_modules and compile_stack_held():
-            from overmind.compiled import prime_warm
+        """Note [Inductor's probes, made once] in overmind.compiled: once, if the compile stack was
+        learned; made a probe at a time between forks (serve)."""
+        if self.priming is None and PRIMING not in self.refused_modules and compile_stack_held():
+            self.priming = Priming()
 
-            files, refuse = prime_warm(self.reads)
-            self._record_files(files)
-            if refuse:
+    def _prime_step(self) -> None:
+        yielding = _yield_cpu()
+        try:
+            self.priming.step(self.reads)
+        finally:
+            if yielding:
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        if self.priming.done:
+            self._record_files(self.priming.files)
+            if self.priming.refuse:
                 self.refused_modules.add(PRIMING)  # the context's next interpreters do not prime
 
     def _to_preload(self, packages) -> None:
@@ -258,7 +267,8 @@ class WarmInterpreter:
             watched += [c.report for c in self.runs.values() if c.report >= 0]
             if not self.retiring:
                 watched.append(self.control)
-            timeout = 0 if (self.to_learn or self.to_preload) and not self.retiring else None
+            busy = self.to_learn or self.to_preload or (self.priming is not None and not self.priming.done)
+            timeout = 0 if busy and not self.retiring else None
             try:
                 ready, _, _ = select.select(watched, [], [], timeout)
             except InterruptedError:
@@ -277,6 +287,8 @@ class WarmInterpreter:
                 self._learn_one()
             elif self.to_preload and not self.retiring:
                 self._preload_one()
+            elif busy and not self.retiring:
+                self._prime_step()
 
     def _drain_wakeup(self) -> None:
         try:
