@@ -5,7 +5,7 @@ and the check that nothing a fork breaks was started. Runs in the warm interpret
     if compiled.compile_stack_held():
         priming = compiled.Priming()               # once; then, between forks, until .done:
         priming.step(reads)                        # one probe; .files: what the answers depend on
-    why = compiled.pool_started(threads_when_ready)  # "" or why a child forked now would hang
+    why = compiled.pool_started(thread_ids_when_ready)  # "" or why a child forked now would hang
 
 Note [Inductor's probes, made once]
 A ``torch.compile`` script whose kernels are all in Inductor's on-disk caches still spends
@@ -46,8 +46,8 @@ parallel, and neither survives a fork: a child of a parent that ran a model once
 first parallel region for threads that do not exist, for ever (3 of 3 children hung in
 issue 24's test; ``OMP_NUM_THREADS=1`` in the parent avoided it). So a warm interpreter never
 runs a kernel (it imports, primes probes and loads AOTInductor packages without calling them:
-overmind.aoti), and before each fork :func:`pool_started` counts the native threads against
-those it had when ready: one more means something started a pool (or any thread), and the
+overmind.aoti), and before each fork :func:`pool_started` compares the native threads with those it had
+when ready, by thread id: a new one means something started a pool (or any thread), and the
 interpreter refuses to fork (``NOT_FORKABLE``); the run goes plain with a log line saying
 why, and the server starts a fresh interpreter without the module that did it. A refusal is
 never a hang. Thread counting is the check because neither OpenMP nor ATen says whether its
@@ -66,7 +66,7 @@ import time
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compile_stack_held", "Priming", "prime_inductor", "pool_started", "native_threads", "forget_isa_list", "PRIMING"]
+__all__ = ["compile_stack_held", "Priming", "prime_inductor", "pool_started", "native_threads", "native_thread_ids", "forget_isa_list", "PRIMING"]
 
 COMPILE_STACK = "torch._inductor"
 # The name a failed or thread-starting priming is refused under (Note [Forking past torch's
@@ -86,15 +86,21 @@ def compile_stack_held() -> bool:
     return COMPILE_STACK in sys.modules
 
 
-def pool_started(threads_when_ready: int) -> str:
+def native_thread_ids() -> frozenset[str]:
+    return frozenset(os.listdir("/proc/self/task"))
+
+
+def pool_started(threads_when_ready: frozenset[str]) -> str:
     """Why forking now would leave the child a thread pool it cannot use, or "" (Note [No
-    thread pool before a fork])."""
+    thread pool before a fork]). By thread id, not count: torch's own thread (Note [Forking
+    past torch's thread] in overmind.zygote) ends at the first fork, so a count would let a
+    pool started later pass for it."""
     if threading.active_count() != 1:
         return (f"{threading.active_count()} Python threads (Note [Forking past torch's thread] in "
                 "overmind.zygote)")
-    now = native_threads()
-    if threads_when_ready and now > threads_when_ready:
-        return (f"{now} native threads, {threads_when_ready} when ready: a thread pool (OpenMP / intra-op) "
+    new = native_thread_ids() - threads_when_ready
+    if threads_when_ready and new:
+        return (f"{len(new)} native thread(s) started since it was ready: a thread pool (OpenMP / intra-op) "
                 "or another thread was started here, and a child forked past it would hang in its first "
                 "parallel kernel (Note [No thread pool before a fork] in overmind.compiled)")
     return ""

@@ -26,7 +26,9 @@ the pre-imports. ``import torch`` alone starts one native thread, which blocks o
 until work is submitted to it (at::launch's pool is created lazily; the thread seen here
 belongs to the CPU allocator/OpenMP runtime and holds no lock while it waits); the child
 starts with a fresh copy of the pool's state and never talks to that thread, and torch's
-own ``pthread_atfork`` handlers reset its thread pools in the child. A new thread (an import
+own ``pthread_atfork`` handlers reset its thread pools in the child. That thread ends at the first fork (in
+the parent too), so threads are told apart by id, not counted (Note [No thread pool before a
+fork] in overmind.compiled). A new thread (an import
 that started a pool, a library's background loader) makes the interpreter refuse to fork,
 and the server replaces it without the module that did so. CUDA is never initialised here
 (Note [Zygotes never touch CUDA] in overmind.loader_pool).
@@ -71,7 +73,7 @@ import sys
 import threading
 
 from overmind import protocol as P
-from overmind.compiled import PRIMING, Priming, compile_stack_held, pool_started
+from overmind.compiled import PRIMING, Priming, compile_stack_held, native_thread_ids, pool_started
 from overmind.import_env import Reads, differs, recording
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class WarmInterpreter:
         self.loads: set[int] = set()
         self.files: dict[str, tuple[int, int]] = {}  # Note [Warm interpreters]
         self.threads = 0
+        self.thread_ids: frozenset = frozenset()
         self.retiring = False
         self.learned: list[str] = []  # what runs imported that we did not hold: for our successor
         self.to_learn: list[str] = []
@@ -130,6 +133,7 @@ class WarmInterpreter:
             import overmind.warm  # noqa: F401  (what every run imports first)
 
         self.threads = _native_threads()  # Note [Forking past torch's thread]: counted here, once
+        self.thread_ids = native_thread_ids()  # Note [No thread pool before a fork] in overmind.compiled
         imported += self._import(warm.modules)
         self._record_files()
         self._index()
@@ -241,7 +245,7 @@ class WarmInterpreter:
     # -- fork safety --------------------------------------------------------------------------
 
     def _why_not_forkable(self) -> str:
-        why = pool_started(self.threads)  # Note [No thread pool before a fork] in overmind.compiled
+        why = pool_started(self.thread_ids)  # Note [No thread pool before a fork] in overmind.compiled
         if why:
             return why
         torch = sys.modules.get("torch")
