@@ -125,7 +125,8 @@ def _timed(argv: list, env: dict, cwd: Path, timeout: float = RUN_TIMEOUT) -> tu
     wall = time.monotonic() - started
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, argv))} exited {proc.returncode}: {err[-2000:]}")
-    return wall, out.strip().splitlines()[-1]
+    lines = out.strip().splitlines()
+    return wall, lines[-1] if lines else ""
 
 
 def run_scenario(pairs: int = 5, hang_runs: int = 0, say=print) -> dict:
