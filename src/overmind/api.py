@@ -62,8 +62,12 @@ DEFAULT_PATCH_POINTS = (
     "torch::load",
     "torch.jit::load",
     "safetensors.torch::load_file",
+    # Compiled models: handed over from the warm interpreter, never cached in segments (overmind.client.aoti).
+    "torch._inductor::aoti_load_package",
+    "torch._export::aot_load",
 )
 CONFIG_FILE = "overmind.cfg"
+_AOTI_POINTS = DEFAULT_PATCH_POINTS[-2:]  # overmind.shared.packages.POINTS, without importing it at start-up
 
 
 def load(fn: Callable, *args, **kwargs) -> Any:
@@ -100,6 +104,15 @@ def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod
         # torch just became importable: overlap our torch-side imports with the script's.
         _warmed = True
         threading.Thread(target=_warm_up, daemon=True, name="overmind-warm-up").start()
+    if str(point) in _AOTI_POINTS:  # Note [AOTInductor packages are handed over] in overmind.shared.packages
+        @functools.wraps(original)
+        def aoti_wrapper(*args, **kwargs):
+            from overmind.client.aoti import call
+
+            return call(str(point), original, args, kwargs)
+
+        aoti_wrapper.__overmind_point__ = point  # type: ignore[attr-defined]
+        return aoti_wrapper
     attr = point.qualname.rsplit(".", 1)[-1]
     if is_classmethod:
         @functools.wraps(original)

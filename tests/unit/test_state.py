@@ -240,7 +240,7 @@ def test_the_keeper_replaces_a_spoiled_file_with_a_good_one_after_one_warning(tm
     keeper = _keeper(tmp_path)
     (tmp_path / "state").mkdir(mode=0o700)
     keeper.config.state_path.write_bytes(b'{"format": "overmind-state", "vers')
-    with caplog.at_level("WARNING", logger="overmind.server.daemon.state"):
+    with caplog.at_level("WARNING", logger="overmind.server.state"):
         assert keeper.open(*CHECKS) is None
     assert len(caplog.records) == 1 and "truncated or corrupt" in caplog.records[0].getMessage()
     request = P.Load(**_entry(tmp_path)["load"])
@@ -260,7 +260,7 @@ def test_a_keeper_whose_dir_is_refused_keeps_nothing_and_says_why(tmp_path, capl
     keeper = _keeper(tmp_path)
     (tmp_path / "state").mkdir(mode=0o777)
     os.chmod(tmp_path / "state", 0o777)
-    with caplog.at_level("WARNING", logger="overmind.server.daemon.state"):
+    with caplog.at_level("WARNING", logger="overmind.server.state"):
         assert keeper.open(*CHECKS) is None
     assert len(caplog.records) == 1 and "open to other users" in caplog.records[0].getMessage()
     assert not keeper.enabled and not keeper.save_if_changed()

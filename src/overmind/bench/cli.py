@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the whole-process scenario's scripts, from {', '.join(WHOLE_SCRIPTS)} (default all)")
     parser.add_argument("--whole-modes", metavar="LIST",
                         help=f"its modes, from {', '.join(WHOLE_MODES)} (default all; plain is required)")
+    parser.add_argument("--hang-runs", type=int, metavar="N", default=0,
+                        help="compiled scenario: N more back-to-back warm runs of each script, each bounded in time")
     parser.add_argument("--whole-runs", type=int, metavar="N",
                         help="its timed runs per script and mode (default 5; --quick: 3)")
     parser.add_argument("--curve-scripts", metavar="LIST",
@@ -212,6 +214,10 @@ def _cuda_device(device: str) -> tuple[Optional[str], Optional[str]]:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if (args.scenarios or "").strip() == "compiled":  # its own runner: overmind.bench.compiled
+        from overmind.bench import compiled
+
+        return compiled.main(argv)
     started = time.monotonic()
     try:
         plan, extra = make_plan(args)

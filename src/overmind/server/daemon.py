@@ -42,6 +42,7 @@ from overmind.server.programs import ProgramHistory
 from overmind.server.registry import Registry
 from overmind.server.restore import Restore
 from overmind.server.state import StateKeeper
+from overmind.shared.packages import packages_from_wire
 
 logger = logging.getLogger("overmind.server.daemon")
 
@@ -330,7 +331,8 @@ class Server:
                 modules = ColdLoads.check_modules(message.modules)
             except LoadFailure as failure:
                 return reply_error(conn, failure.code, failure.message)
-            threading.Thread(target=self.pool.prepare, args=(context, modules), daemon=True,
+            packages = packages_from_wire(message.packages)  # Note [AOTInductor packages are handed over]
+            threading.Thread(target=self.pool.prepare, args=(context, modules, packages), daemon=True,
                              name="overmind-prepare").start()
             P.send_message(conn, P.Ok())
         elif isinstance(message, P.PlainLoaded):  # no answer: the client does not wait for one

@@ -8,7 +8,8 @@ Standard library only.
 
 Kept per lineage (``Context.lineage``: a context and its variants keyed on the values of the
 variables their imports read): the installed modules its runs and loads imported (Note [Warm
-interpreters learn] in overmind.warm.interpreter), the modules that started a thread when
+interpreters learn] in overmind.warm.interpreter), the AOTInductor packages its runs loaded
+(Note [AOTInductor packages are handed over] in overmind.shared.packages), the modules that started a thread when
 imported (never pre-imported again: Note [Forking past torch's thread]), and the environment
 names and prefixes its imports read (Note [Settings an import read] in overmind.shared.import_env).
 ``overmind.server.state`` keeps a ``snapshot()`` across restarts and ``teach``es it back.
@@ -20,6 +21,7 @@ import threading
 
 from overmind.shared.contexts import Context
 from overmind.shared.import_env import MAX_NAMES, MAX_PREFIXES, select
+from overmind.shared.packages import MAX_PACKAGES, refusal_name, spec_key
 
 __all__ = ["Lessons", "MAX_LEARNED"]
 
@@ -32,6 +34,7 @@ class Lessons:
         self.learned: dict[str, list] = {}  # lineage -> installed modules its runs and loads imported
         self.refused: dict[str, set] = {}  # lineage -> modules that started a thread when imported
         self.reads: dict[str, tuple[set, set]] = {}  # lineage -> (names, prefixes) its imports read
+        self.packages: dict[str, list] = {}  # lineage -> AOTInductor packages to preload (overmind.shared.packages)
 
     def for_new(self, context: Context, live: list) -> tuple[list, list]:
         """(modules to pre-import, modules refused) for a new interpreter of ``context``: what its
@@ -54,6 +57,19 @@ class Lessons:
             known.extend(n for n in modules if n not in seen and len(known) < MAX_LEARNED)
             if refused:
                 self.refused.setdefault(context.lineage, set()).update(refused)
+
+    def packages_for(self, context: Context) -> list:
+        """The lineage's AOTInductor packages, but those that started a thread where loaded."""
+        with self.lock:
+            refused = self.refused.get(context.lineage, set())
+            return [p for p in self.packages.get(context.lineage, ()) if refusal_name(p) not in refused]
+
+    def add_packages(self, context: Context, packages: list) -> None:
+        with self.lock:
+            known = self.packages.setdefault(context.lineage, [])
+            for spec in packages:
+                known[:] = [k for k in known if spec_key(k) != spec_key(spec)] + [spec]
+            del known[:-MAX_PACKAGES]
 
     def remember(self, interpreter) -> None:
         """A retiring interpreter's lessons (an ``overmind.server.pool.WarmProcess``)."""

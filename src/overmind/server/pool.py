@@ -79,7 +79,8 @@ class RunRefused(Exception):
 class WarmProcess:
     """One warm interpreter for a context (overmind.warm.interpreter); forks a child per load or run."""
 
-    def __init__(self, context: Context, config: Config, modules: list, refused: list = (), on_reads=None) -> None:
+    def __init__(self, context: Context, config: Config, modules: list, refused: list = (), on_reads=None,
+                 packages: list = ()) -> None:
         self.context = context
         self.on_reads = on_reads  # called with (context, names, prefixes) its imports read
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -99,7 +100,7 @@ class WarmProcess:
         self.sock = ours
         self.sock.settimeout(READY_TIMEOUT)
         try:
-            P.send_message(self.sock, P.Warm(list(modules), refused=list(refused)))
+            P.send_message(self.sock, P.Warm(list(modules), refused=list(refused), packages=list(packages)))
         except OSError:  # it exited at once: the first job hears EOF and reports how it ended (exit_note)
             pass
         self.lock = threading.Lock()
@@ -248,7 +249,8 @@ class WarmPool:
             if interpreter is None and create:
                 modules, refused = self.lessons.for_new(context, list(self.interpreters.values()))
                 interpreter = self.interpreters[context.key] = WarmProcess(
-                    context, self.config, modules, refused, on_reads=self.lessons.heard_reads)
+                    context, self.config, modules, refused, on_reads=self.lessons.heard_reads,
+                    packages=self.lessons.packages_for(context))
             if interpreter is not None:
                 self.interpreters.move_to_end(context.key)
             victims = []
@@ -267,10 +269,22 @@ class WarmPool:
         logger.info("retiring warm interpreter %d (%s)", interpreter.proc.pid, why)
         interpreter.retire()
 
-    def prepare(self, context: Context, modules: list = ()) -> None:
+    def _learn_packages(self, context: Context, packages: list) -> None:
+        """Note [AOTInductor packages are handed over] in overmind.shared.packages: every interpreter
+        of the lineage preloads them (a run may be forked from a variant keyed on what imports read)."""
+        self.lessons.add_packages(context, packages)
+        with self.lock:
+            interpreters = [i for i in self.interpreters.values() if i.context.lineage == context.lineage]
+        for interpreter in interpreters:
+            with interpreter.lock:
+                if not interpreter.retired and interpreter.alive:
+                    P.send_message(interpreter.sock, P.Warm([], packages=list(packages)))
+
+    def prepare(self, context: Context, modules: list = (), packages: list = ()) -> None:
         """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all()),
         and have it import ``modules``, which a client of it imported (Note [Warm interpreters
-        learn] in overmind.warm.interpreter)."""
+        learn] in overmind.warm.interpreter), and preload ``packages`` (Note [AOTInductor packages
+        are handed over] in overmind.shared.packages)."""
         try:
             if modules:
                 self.lessons.add(context, modules)
@@ -280,6 +294,8 @@ class WarmPool:
                     interpreter._wait_ready()
                 if modules and not interpreter.retired:
                     P.send_message(interpreter.sock, P.Warm(list(modules)))
+            if packages:
+                self._learn_packages(context, packages)
         except Exception as err:  # a later load retries and reports properly
             logger.warning("preparing a warm interpreter for context %s failed: %s", context.key, err)
 

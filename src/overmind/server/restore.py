@@ -40,7 +40,7 @@ from overmind.shared.config import Config
 from overmind.server.pool import LoadFailure, context_from_wire
 from overmind.server.registry import files_unchanged
 
-logger = logging.getLogger("overmind.server.daemon.restore")
+logger = logging.getLogger("overmind.server.restore")
 
 __all__ = ["Restore", "CLIENT_FIRST"]
 

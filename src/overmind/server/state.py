@@ -72,7 +72,7 @@ from overmind.shared.config import Config, ConfigError, ensure_private_dir, sele
 from overmind.shared.import_env import reads_from_wire
 from overmind.shared.contexts import Context
 
-logger = logging.getLogger("overmind.server.daemon.state")
+logger = logging.getLogger("overmind.server.state")
 
 __all__ = ["State", "StateKeeper", "StateError", "parse_state", "read_state", "write_state", "open_state_dir",
            "FORMAT", "VERSION", "SAVE_INTERVAL", "MAX_ENTRIES"]

@@ -26,7 +26,9 @@ the pre-imports. ``import torch`` alone starts one native thread, which blocks o
 until work is submitted to it (at::launch's pool is created lazily; the thread seen here
 belongs to the CPU allocator/OpenMP runtime and holds no lock while it waits); the child
 starts with a fresh copy of the pool's state and never talks to that thread, and torch's
-own ``pthread_atfork`` handlers reset its thread pools in the child. A new thread (an import
+own ``pthread_atfork`` handlers reset its thread pools in the child. That thread ends at the first fork (in
+the parent too), so threads are told apart by id, not counted (Note [No thread pool before a
+fork] in overmind.warm.compiled). A new thread (an import
 that started a pool, a library's background loader) makes the interpreter refuse to fork,
 and the server replaces it without the module that did so. CUDA is never initialised here
 (Note [Warm interpreters never touch CUDA] in overmind.server.pool).
@@ -71,6 +73,7 @@ import threading
 from overmind.shared import protocol as P
 from overmind.shared.import_env import Reads, differs, recording
 from overmind.warm.children import Children
+from overmind.warm.compiled import PRIMING, Priming, compile_stack_held, native_thread_ids, pool_started
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +92,12 @@ class WarmInterpreter:
         self.children = Children()
         self.files: dict[str, tuple[int, int]] = {}  # Note [Warm interpreters]
         self.threads = 0
+        self.thread_ids: frozenset = frozenset()
         self.retiring = False
         self.learned: list[str] = []  # what runs imported that we did not hold: for our successor
         self.to_learn: list[str] = []
+        self.to_preload: list[dict] = []  # AOTInductor packages: Note [AOTInductor packages are handed over]
+        self.priming: Priming | None = None  # Note [Inductor's probes, made once] in overmind.warm.compiled
         self.refused_modules: set[str] = set()
         self.reads = Reads()  # Note [Settings an import read] in overmind.shared.import_env
         self.told: tuple[set, set] = (set(), set())  # the names and prefixes the server has heard of
@@ -116,9 +122,12 @@ class WarmInterpreter:
             import overmind.warm.child  # noqa: F401  (what every run imports first)
 
         self.threads = _native_threads()  # Note [Forking past torch's thread]: counted here, once
+        self.thread_ids = native_thread_ids()  # Note [No thread pool before a fork] in overmind.warm.compiled
         imported += self._import(warm.modules)
         self._record_files()
         self._index()
+        self._prime()
+        self._to_preload(warm.packages)
         if yielding:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         P.send_message(self.control, P.LoaderReady(os.getpid(), imported, refused=sorted(self.refused_modules),
@@ -163,6 +172,45 @@ class WarmInterpreter:
         with recording(self.reads):
             _index_bound_names()
 
+    def _prime(self) -> None:
+        """Note [Inductor's probes, made once] in overmind.warm.compiled: once, if the compile stack was
+        learned; made a probe at a time between forks (serve)."""
+        if self.priming is None and PRIMING not in self.refused_modules and compile_stack_held():
+            self.priming = Priming()
+
+    def _prime_step(self) -> None:
+        yielding = _yield_cpu()
+        try:
+            self.priming.step(self.reads)
+        finally:
+            if yielding:
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        if self.priming.done:
+            self._record_files(self.priming.files)
+            if self.priming.refuse:
+                self.refused_modules.add(PRIMING)  # the context's next interpreters do not prime
+
+    def _to_preload(self, packages) -> None:
+        from overmind.shared.packages import packages_from_wire, spec_key
+
+        queued = {spec_key(p) for p in self.to_preload}
+        self.to_preload += [p for p in packages_from_wire(packages) if spec_key(p) not in queued]
+
+    def _preload_one(self) -> None:
+        """One AOTInductor package loaded, never run: Note [AOTInductor packages are handed over] in overmind.shared.packages."""
+        from overmind.warm.aoti import preload_warm
+
+        yielding = _yield_cpu()
+        try:
+            refused = preload_warm(self.to_preload.pop(0), self.reads, self.refused_modules)
+        finally:
+            if yielding:
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        self.refused_modules.update(refused)
+        self._record_files()  # what loading it imported (torch._inductor, if no run had)
+        self._index()
+        self._prime()
+
     def _news(self) -> dict:
         """The names and prefixes read since the server last heard: only news travels."""
         names = [n for n in self.reads.names if n not in self.told[0]]
@@ -171,11 +219,11 @@ class WarmInterpreter:
         self.told[1].update(prefixes)
         return {"names": names, "prefixes": prefixes} if names or prefixes else {}
 
-    def _record_files(self) -> None:
+    def _record_files(self, extra=()) -> None:
         from overmind.warm.installed import installed_modules
 
-        for name in installed_modules(exclude=()):
-            path = getattr(sys.modules.get(name), "__file__", None)
+        paths = [getattr(sys.modules.get(name), "__file__", None) for name in installed_modules(exclude=())]
+        for path in [*paths, *extra]:
             if isinstance(path, str) and path not in self.files:
                 try:
                     st = os.stat(path)
@@ -186,10 +234,9 @@ class WarmInterpreter:
     # -- fork safety --------------------------------------------------------------------------
 
     def _why_not_forkable(self) -> str:
-        if threading.active_count() != 1:
-            return f"{threading.active_count()} Python threads (Note [Forking past torch's thread])"
-        if _native_threads() > self.threads:
-            return f"{_native_threads()} native threads, {self.threads} when ready"
+        why = pool_started(self.thread_ids)  # Note [No thread pool before a fork] in overmind.warm.compiled
+        if why:
+            return why
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             return "CUDA was initialised here (Note [Warm interpreters never touch CUDA] in overmind.server.pool)"
@@ -212,7 +259,8 @@ class WarmInterpreter:
             watched = [self.wakeup_r, *self.children.watched()]
             if not self.retiring:
                 watched.append(self.control)
-            timeout = 0 if self.to_learn and not self.retiring else None
+            busy = self.to_learn or self.to_preload or (self.priming is not None and not self.priming.done)
+            timeout = 0 if busy and not self.retiring else None
             try:
                 ready, _, _ = select.select(watched, [], [], timeout)
             except InterruptedError:
@@ -226,6 +274,10 @@ class WarmInterpreter:
                 self._control()
             elif self.to_learn and not self.retiring:
                 self._learn_one()
+            elif self.to_preload and not self.retiring:
+                self._preload_one()
+            elif busy and not self.retiring:
+                self._prime_step()
 
     def _drain_wakeup(self) -> None:
         try:
@@ -249,6 +301,7 @@ class WarmInterpreter:
         self._import(now)
         self._record_files()
         self._index()
+        self._prime()
 
     def _learn_one(self) -> None:
         """One learned module, then back to select: a Fork waiting goes first (Note [Warm interpreters learn])."""
@@ -262,6 +315,7 @@ class WarmInterpreter:
         if not self.to_learn:
             self._record_files()
             self._index()
+            self._prime()
 
     def _control(self) -> None:
         try:
@@ -279,6 +333,7 @@ class WarmInterpreter:
             P.close_fds(fds)
             self.refused_modules.update(n for n in message.refused if isinstance(n, str))
             self._to_learn(message.modules)
+            self._to_preload(message.packages)
             return
         expected = 1 if isinstance(message, P.Job) else 4 if isinstance(message, P.Fork) else -1
         if len(fds) != expected:

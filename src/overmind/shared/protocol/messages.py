@@ -193,6 +193,7 @@ class Prepare(Message):
     TYPE: ClassVar[int] = 28
     context: dict
     modules: list = []  # installed modules this client imported since it last said (Note [Warm interpreters learn])
+    packages: list = []  # AOTInductor packages it loaded plainly (Note [AOTInductor packages are handed over])
 
 
 # -- overmind run: front end <-> server <-> warm interpreter ----------------------
@@ -240,6 +241,7 @@ class Warm(Message):
     TYPE: ClassVar[int] = 45
     modules: list
     refused: list = []  # never to import: they started a thread (Note [Forking past torch's thread])
+    packages: list = []  # AOTInductor packages to preload (Note [AOTInductor packages are handed over] in overmind.shared.packages)
 
 
 @message

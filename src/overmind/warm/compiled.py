@@ -1,0 +1,223 @@
+"""Compiled code in a warm interpreter: Inductor's per-process probes, made once before forking,
+and the check that nothing a fork breaks was started. Runs in the warm interpreter
+(overmind.warm.interpreter) only::
+
+    if compiled.compile_stack_held():
+        priming = compiled.Priming()               # once; then, between forks, until .done:
+        priming.step(reads)                        # one probe; .files: what the answers depend on
+    why = compiled.pool_started(thread_ids_when_ready)  # "" or why a child forked now would hang
+
+Note [Inductor's probes, made once]
+A ``torch.compile`` script whose kernels are all in Inductor's on-disk caches still spends
+about a second of every process asking the machine what it already told the last one, each
+answer kept only for the process (``functools.cache``): which vector ISAs work (six
+subprocesses that ``dlopen`` a test library, ~0.14 s each: a fresh ``python`` plus
+``libtorch_cpu``, and ``subprocess``'s polling wait), a hash of torch's source (~0.13 s), the
+compiler's path and version (``g++ --version``, ``g++ -v``), and the precompiled header's
+check (``g++ -E`` of ``cpp_prefix.h`` and ``openssl sha512`` of the result, ~0.2 s). A warm
+interpreter whose context learned the compile stack (its runs imported ``torch._inductor``)
+asks once, after its imports, so every child it forks starts with the answers; an
+AOTInductor package's load asks the same ISA question. Nothing here runs a kernel or starts a
+thread (Note [No thread pool before a fork]): the probes are subprocesses, file reads and
+hashes. The answers are what a plain process would compute now, as long as their inputs stay:
+- settings read from the environment (``CXX``, ``PATH``, ``TORCHINDUCTOR_CACHE_DIR``,
+  ``TMPDIR``, ``ATEN_CPU_CAPABILITY``...) are recorded while priming, as while importing, so a
+  run whose values differ is not forked from this interpreter (Note [Settings an import read]
+  in overmind.shared.import_env);
+- the compiler binary and the header behind the precompiled one are files the interpreter
+  checks before each fork, as it checks its modules (Note [Warm interpreters] in
+  overmind.warm.interpreter): a compiler or torch upgrade retires it;
+- Inductor's settings (``torch._inductor.config``) changed by the script itself are seen: only
+  answers cached per the setting they depend on are kept (each ISA's probe per
+  ``config.cpp.vec_isa_ok``, the compiler per ``config.cpp.cxx``, the header per command line);
+  ``valid_vec_isa_list()`` and the AVX512/AMX classes' own ``__bool__``, cached whatever the
+  setting was at their first call, are dropped before any fork (:func:`forget_isa_list`), so a
+  run that sets ``vec_isa_ok`` first sees no ISA, as plain does (their extra bf16/AMX probes,
+  on CPUs that have those, are made again in each run).
+The header is primed for the command line of a CPU kernel with the best ISA (what Inductor
+compiles for a plain ``torch.compile`` on CPU); any other command line is a miss that costs
+the run what plain pays. Replicating that command line reaches into Inductor's internals:
+a torch whose internals moved makes priming fail (logged), never the run.
+
+Note [No thread pool before a fork]
+A fork copies only the calling thread. OpenMP's pool (torch's intra-op parallelism on CPU)
+and at::launch's inter-op pool are started by the first kernel large enough to run in
+parallel, and neither survives a fork: a child of a parent that ran a model once waits in its
+first parallel region for threads that do not exist, for ever (3 of 3 children hung in
+issue 24's test; ``OMP_NUM_THREADS=1`` in the parent avoided it). So a warm interpreter never
+runs a kernel (it imports, primes probes and loads AOTInductor packages without calling them:
+overmind.warm.aoti), and before each fork :func:`pool_started` compares the native threads with those it had
+when ready, by thread id: a new one means something started a pool (or any thread), and the
+interpreter refuses to fork (``NOT_FORKABLE``); the run goes plain with a log line saying
+why, and the server starts a fresh interpreter without the module that did it. A refusal is
+never a hang. Thread counting is the check because neither OpenMP nor ATen says whether its
+pool was started; ``torch.get_num_threads()`` only reports the size it would have.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["compile_stack_held", "Priming", "prime_inductor", "pool_started", "native_threads", "native_thread_ids",
+           "forget_isa_list", "PRIMING"]
+
+COMPILE_STACK = "torch._inductor"
+# The name a failed or thread-starting priming is refused under (Note [Forking past torch's
+# thread] in overmind.warm.interpreter): the server hands it to the context's next interpreter, which
+# then does not prime.
+PRIMING = "overmind.warm.compiled:prime_inductor"
+
+_primed = False
+
+
+def native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def compile_stack_held() -> bool:
+    """Whether this interpreter imported the compile stack (its context's runs did)."""
+    return COMPILE_STACK in sys.modules
+
+
+def native_thread_ids() -> frozenset[str]:
+    return frozenset(os.listdir("/proc/self/task"))
+
+
+def pool_started(threads_when_ready: frozenset[str]) -> str:
+    """Why forking now would leave the child a thread pool it cannot use, or "" (Note [No
+    thread pool before a fork]). By thread id, not count: torch's own thread (Note [Forking
+    past torch's thread] in overmind.warm.interpreter) ends at the first fork, so a count would let a
+    pool started later pass for it."""
+    if threading.active_count() != 1:
+        return (f"{threading.active_count()} Python threads (Note [Forking past torch's thread] in "
+                "overmind.warm.interpreter)")
+    new = native_thread_ids() - threads_when_ready
+    if threads_when_ready and new:
+        return (f"{len(new)} native thread(s) started since it was ready: a thread pool (OpenMP / intra-op) "
+                "or another thread was started here, and a child forked past it would hang in its first "
+                "parallel kernel (Note [No thread pool before a fork] in overmind.warm.compiled)")
+    return ""
+
+
+class Priming:
+    """Note [Inductor's probes, made once], one probe a step: the warm interpreter makes a step
+    between forks, so a run waiting for its fork goes first (as learned imports do: Note [Warm
+    interpreters learn] in overmind.warm.interpreter) and makes whatever probe is left itself."""
+
+    def __init__(self) -> None:
+        self.steps: list | None = None  # None: not planned yet
+        self.files: list[str] = []  # what the answers depend on: checked before each fork
+        self.refuse = False  # it failed or started a thread: the context's next interpreters do not prime
+        self.started = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        return self.steps == []
+
+    def step(self, reads) -> None:
+        """One probe, the settings it reads recorded into ``reads`` (Note [Settings an import
+        read] in overmind.shared.import_env). Never raises."""
+        from overmind.shared.import_env import recording
+
+        before = native_threads()
+        try:
+            with recording(reads):
+                if self.steps is None:
+                    self.steps = self._plan()
+                elif self.steps:
+                    self.steps.pop(0)()
+        except Exception as err:  # noqa: BLE001 - priming is a head start; the run asks itself
+            logger.warning("priming Inductor's probes failed (runs will make them): %r", err)
+            self.steps, self.refuse = [], True
+        if native_threads() != before:
+            logger.warning("priming Inductor's probes started a thread: this interpreter will not fork again")
+            self.steps, self.refuse = [], True
+        if self.done and not self.refuse:
+            logger.info("primed Inductor's probes in %.2f s", time.monotonic() - self.started)
+
+    def run(self, reads) -> None:
+        while not self.done:
+            self.step(reads)
+
+    def _plan(self) -> list:
+        import platform
+
+        from torch._inductor import codecache, config, cpp_builder, cpu_vec_isa
+
+        # Each vector ISA's probe (VecISA.__bool__: compile and dlopen a test library), as
+        # valid_vec_isa_list() makes them on x86, but not that list itself: it is cached whatever
+        # config.cpp.vec_isa_ok was at its first call, and a script may set that first.
+        candidates = []
+        if platform.machine() in ("x86_64", "AMD64"):
+            flags = cpu_vec_isa.x86_isa_checker()
+            candidates = [i for i in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(i).split())]
+
+        def compiler() -> None:
+            name = cpp_builder.get_cpp_compiler()
+            cpp_builder.get_compiler_version_info(name)
+            binary = shutil.which(name)
+            if binary:
+                self.files.append(os.path.realpath(binary))
+
+        def header() -> None:
+            valid = [isa for isa in candidates if isa]  # answered by the steps before
+            if config.cpp_cache_precompile_headers and valid:
+                self.files.extend(_prime_header(codecache, config, cpp_builder, valid[0]))
+            forget_isa_list()  # building the command line asked for it
+
+        return [*(functools.partial(bool, isa) for isa in candidates), codecache.torch_key, compiler, header]
+
+
+def prime_inductor(reads=None) -> Priming:
+    """Every probe now (Note [Inductor's probes, made once]); the warm interpreter steps instead."""
+    from overmind.shared.import_env import Reads
+
+    priming = Priming()
+    priming.run(reads if reads is not None else Reads())
+    return priming
+
+
+def forget_isa_list() -> None:
+    """Drop the ISA answers cached whatever ``config.cpp.vec_isa_ok`` is: ``valid_vec_isa_list()``
+    and the ``__bool__`` of ISA classes that cache it per instance only (AVX512, AMX: their own
+    extra checks), so a run that sets ``vec_isa_ok`` before its first compile sees what plain
+    would. The probe each relies on stays, cached per that setting (``VecISA.__bool__impl``;
+    Note [Inductor's probes, made once])."""
+    cpu_vec_isa = sys.modules.get("torch._inductor.cpu_vec_isa")
+    if cpu_vec_isa is None:
+        return
+    if hasattr(cpu_vec_isa.valid_vec_isa_list, "cache_clear"):
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    todo = [cpu_vec_isa.VecISA]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        own = cls.__dict__.get("__bool__")
+        if hasattr(own, "cache_clear"):
+            own.cache_clear()
+
+
+def _prime_header(codecache, config, cpp_builder, isa) -> list[str]:
+    """The precompiled header's check, for the command line of a CPU kernel's Python binding
+    (CppPythonBindingsCodeCache.load_async: main code with the vector ISA, not min-optimized)."""
+    cls = codecache.CppPythonBindingsCodeCache
+    header = cls._get_uncompiled_header("cpu")
+    if not header:
+        return []
+    command = {**cls.cpp_compile_command_flags, "device_type": "cpu", "extra_flags": (),
+               "use_relative_path": config.is_fbcode(), "vec_isa": isa}
+    option = cpp_builder.CppTorchDeviceOptions(compile_only=False, min_optimize=False, **command)
+    command_line = cpp_builder.CppBuilder(name="o", sources="i", BuildOption=option).get_command_line()
+    codecache._precompile_header(header, command_line, min_optimize=False, **command)
+    import torch
+
+    source = os.path.join(os.path.dirname(torch.__file__), "include", header)
+    return [source] if os.path.exists(source) else []
