@@ -7,7 +7,9 @@ For each of the whole-process scripts (:data:`overmind.bench.whole.SCRIPTS`) and
 then runs 1 to 5 of the script with no pause between them (the next starts as the last exits:
 a fill, or the imports of a warm interpreter, that the server does behind run 1 must be done
 by the time run 2 needs it, or run 2 pays), then one more run after the server was restarted
-(its cache is gone with it). Plain ``python script.py`` runs in the same round, right before
+as the systemd unit restarts it: its memory is gone, it refills what it kept in its state
+directory, and the run starts once ``overmind status --wait-ready`` returns (Note [Restore after
+a restart] in overmind.server.restore; ``python -m overmind.bench.restart`` times the restore). Plain ``python script.py`` runs in the same round, right before
 each mode's runs; each run's exit over the median of plain's runs is the figure. Modes:
 
 - ``patched``: ``python script.py``, the script calling ``monkey_patch_all()`` first;

@@ -208,9 +208,16 @@ class BenchServer:
                 raise BenchError(f"the server is still loading after {timeout:.0f} s: {status}")
             time.sleep(0.1)
 
-    def restart(self) -> None:
+    def restart(self, keep_state: bool = True) -> None:
+        """Stopped and started again on the same runtime directory. ``keep_state``: on its state
+        directory too, returning once its restore is done, as the systemd unit does (``overmind
+        status --wait-ready``); else as a server that never ran before."""
         self.stop(remove=False)
+        if not keep_state:
+            shutil.rmtree(self.runtime_dir / "state", ignore_errors=True)
         self.launch()
+        if keep_state:
+            self.cli("status", "--wait-ready", "--timeout", "600")
 
     def log(self) -> str:
         try:

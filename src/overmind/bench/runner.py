@@ -146,7 +146,7 @@ class Runner:
         if not batch:
             return
         if mode == "first":
-            self.server.restart()
+            self.server.restart(keep_state=False)  # a server that learned nothing yet
         if mode in ("cold", "first"):
             self.server.evict_all()
             self.server.wait_idle()

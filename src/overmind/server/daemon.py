@@ -135,21 +135,7 @@ class Server:
 
     def _bind(self) -> None:
         """Listen on a new socket file at the socket path (replacing whatever is there)."""
-        path = self.config.socket_path
-        try:
-            path.unlink()  # a stale socket, or a planted file or link: removed, never followed
-        except FileNotFoundError:
-            pass
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # the socket file itself is 0600 too
-        try:
-            listener.bind(str(path))
-        finally:
-            os.umask(old_umask)
-        listener.listen(128)
-        listener.settimeout(SOCKET_CHECK_INTERVAL)
-        st = os.lstat(path)
-        old, self.listener, self.socket_id = self.listener, listener, (st.st_dev, st.st_ino)
+        old, (self.listener, self.socket_id) = self.listener, _listen(self.config.socket_path)
         if old is not None:
             old.close()
 
@@ -379,6 +365,25 @@ class Server:
         info["ready"] = info["restore"]["ready"]
         info["state"] = self.state.describe()
         return info
+
+def _listen(path) -> tuple[socket.socket, tuple[int, int]]:
+    """A listening socket at ``path`` (a stale socket, or a planted file or link there is removed,
+    never followed), 0600, and its file's identity (st_dev, st_ino)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)  # the socket file itself is 0600 too
+    try:
+        listener.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    listener.listen(128)
+    listener.settimeout(SOCKET_CHECK_INTERVAL)
+    st = os.lstat(path)
+    return listener, (st.st_dev, st.st_ino)
+
 
 def _configure_logging(level: str, log_fd: int, foreground: bool) -> None:
     """``level`` is one of overmind.shared.config.LOG_LEVELS, checked by Config.from_env."""
