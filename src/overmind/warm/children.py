@@ -198,10 +198,12 @@ def _report_modules_at_exit(fd: int) -> None:
 
     def report() -> None:
         try:
+            from overmind.shared.inductor import USED, used
             from overmind.warm.installed import installed_modules
 
             news = not held.issuperset(sys.modules)
-            data = json.dumps(installed_modules(skip=held) if news else []).encode()
+            names = installed_modules(skip=held) if news else []
+            data = json.dumps(names + [USED] if used() else names).encode()
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

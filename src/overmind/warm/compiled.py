@@ -2,7 +2,7 @@
 and the check that nothing a fork breaks was started. Runs in the warm interpreter
 (overmind.warm.interpreter) only::
 
-    if compiled.compile_stack_held():
+    if runs_made_the_probes and compiled.compile_stack_held():
         priming = compiled.Priming()               # once; then, between forks, until .done:
         priming.step(reads)                        # one probe; .files: what the answers depend on
     why = compiled.pool_started(thread_ids_when_ready)  # "" or why a child forked now would hang
@@ -15,8 +15,9 @@ subprocesses that ``dlopen`` a test library, ~0.14 s each: a fresh ``python`` pl
 ``libtorch_cpu``, and ``subprocess``'s polling wait), a hash of torch's source (~0.13 s), the
 compiler's path and version (``g++ --version``, ``g++ -v``), and the precompiled header's
 check (``g++ -E`` of ``cpp_prefix.h`` and ``openssl sha512`` of the result, ~0.2 s). A warm
-interpreter whose context learned the compile stack (its runs imported ``torch._inductor``)
-asks once, after its imports, so every child it forks starts with the answers; an
+interpreter whose context's runs made those probes themselves (they compiled, or loaded an
+AOTInductor package: the mark ``overmind.shared.inductor.USED`` in their module reports;
+importing ``torch._inductor`` says nothing, ``transformers`` does it) asks once, after its imports, so every child it forks starts with the answers; an
 AOTInductor package's load asks the same ISA question. Nothing here runs a kernel or starts a
 thread (Note [No thread pool before a fork]): the probes are subprocesses, file reads and
 hashes. The answers are what a plain process would compute now, as long as their inputs stay:

@@ -72,6 +72,7 @@ import threading
 
 from overmind.shared import protocol as P
 from overmind.shared.import_env import Reads, differs, recording
+from overmind.shared.inductor import USED as INDUCTOR_USED
 from overmind.warm.children import Children
 from overmind.warm.compiled import PRIMING, Priming, compile_stack_held, native_thread_ids, pool_started
 
@@ -97,6 +98,7 @@ class WarmInterpreter:
         self.learned: list[str] = []  # what runs imported that we did not hold: for our successor
         self.to_learn: list[str] = []
         self.to_preload: list[dict] = []  # AOTInductor packages: Note [AOTInductor packages are handed over]
+        self.compiles = False  # its context's runs made Inductor's probes (overmind.shared.inductor)
         self.priming: Priming | None = None  # Note [Inductor's probes, made once] in overmind.warm.compiled
         self.refused_modules: set[str] = set()
         self.reads = Reads()  # Note [Settings an import read] in overmind.shared.import_env
@@ -123,6 +125,7 @@ class WarmInterpreter:
 
         self.threads = _native_threads()  # Note [Forking past torch's thread]: counted here, once
         self.thread_ids = native_thread_ids()  # Note [No thread pool before a fork] in overmind.warm.compiled
+        self.compiles = INDUCTOR_USED in warm.modules
         imported += self._import(warm.modules)
         self._record_files()
         self._index()
@@ -175,7 +178,7 @@ class WarmInterpreter:
     def _prime(self) -> None:
         """Note [Inductor's probes, made once] in overmind.warm.compiled: once, if the compile stack was
         learned; made a probe at a time between forks (serve)."""
-        if self.priming is None and PRIMING not in self.refused_modules and compile_stack_held():
+        if self.priming is None and self.compiles and PRIMING not in self.refused_modules and compile_stack_held():
             self.priming = Priming()
 
     def _prime_step(self) -> None:
@@ -197,7 +200,8 @@ class WarmInterpreter:
         self.to_preload += [p for p in packages_from_wire(packages) if spec_key(p) not in queued]
 
     def _preload_one(self) -> None:
-        """One AOTInductor package loaded, never run: Note [AOTInductor packages are handed over] in overmind.shared.packages."""
+        """One AOTInductor package loaded, never run: Note [AOTInductor packages are handed over] in
+        overmind.shared.packages."""
         from overmind.warm.aoti import preload_warm
 
         yielding = _yield_cpu()
@@ -287,6 +291,11 @@ class WarmInterpreter:
             pass
 
     def _to_learn(self, names) -> None:
+        if INDUCTOR_USED in names:  # a run made Inductor's probes: make them here (overmind.shared.inductor)
+            self.compiles = True
+            if INDUCTOR_USED not in self.learned:
+                self.learned.append(INDUCTOR_USED)  # the server keeps it with what the context learned
+            names = [n for n in names if n != INDUCTOR_USED]
         new = [n for n in names if isinstance(n, str) and n not in sys.modules and n not in self.refused_modules
                and n not in self.to_learn]
         self.to_learn.extend(new)

@@ -69,12 +69,12 @@ def _teach() -> None:
 
     state = {"seen": set(), "sock": None, "lock": threading.Lock()}
 
-    def report() -> bool:
+    def report(extra: list = ()) -> bool:
         from overmind.shared import protocol as P
         from overmind.shared.contexts import caller_context
         from overmind.client.prefetch import new_module_names  # the warm interpreter keeps only installed ones
 
-        new = new_module_names(state["seen"])
+        new = new_module_names(state["seen"]) + list(extra)
         if not new:
             return False
         with state["lock"]:
@@ -104,7 +104,9 @@ def _teach() -> None:
 
     def at_exit() -> None:
         try:
-            report()
+            from overmind.shared.inductor import USED, used
+
+            report([USED] if used() else [])
         except Exception:  # noqa: BLE001
             pass
 
