@@ -274,3 +274,35 @@ def test_a_reader_that_left_ends_the_command_quietly_as_unix_tools_do(server, tm
     proc = subprocess.run(f"{OVERMIND} status | head -c 3", shell=True, env=server.env, capture_output=True,
                           text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0 and proc.stdout == "pid" and proc.stderr == "", proc.stderr
+
+
+# A real overmind-server, made to speak protocol 4 as the server of an older overmind does.
+_OLD_SERVER = """
+import sys
+import overmind.shared.protocol as P
+import overmind.shared.protocol.base as base
+import overmind.shared.protocol.frames as frames
+base.PROTOCOL_VERSION = P.PROTOCOL_VERSION = frames.PROTOCOL_VERSION = P.PROTOCOL_VERSION - 1
+from overmind.server.daemon import main
+sys.exit(main(["--foreground"]))
+"""
+
+
+def test_shutdown_stops_a_server_of_an_older_protocol_as_after_an_upgrade(runtime_dir):
+    # After `pip install -U overmind` the running server speaks the old protocol: every command
+    # says "restart overmind-server (overmind shutdown)", so shutdown must still stop it (by its pid).
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_NO_AUTOSTART="1")
+    old = subprocess.Popen([sys.executable, "-c", _OLD_SERVER], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        assert "ready" in old.stdout.readline(), old.stderr.read() if old.poll() is not None else ""
+        status = _cli_without_server(runtime_dir, "status")
+        assert status.returncode != 0 and "protocol version mismatch" in status.stderr, status.stderr
+        proc = _cli_without_server(runtime_dir, "shutdown")
+        assert proc.returncode == 0, proc.stderr
+        assert f"overmind-server pid {old.pid} stopped (it speaks another protocol version" in proc.stdout
+        assert old.wait(timeout=15) is not None
+    finally:
+        if old.poll() is None:
+            old.kill()
+            old.wait()

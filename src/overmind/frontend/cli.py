@@ -342,9 +342,11 @@ def _server_pid(config: Config) -> Optional[int]:
     return pid if any(b"overmind.server" in part or part.endswith(b"overmind-server") for part in cmdline) else None
 
 
-def _unreachable_server(config: Config, args: argparse.Namespace) -> int:
+def _unreachable_server(config: Config, args: argparse.Namespace, why: str = "") -> int:
     """A server holds the runtime dir but does not answer on its socket (stopped, hung, or its
-    socket file gone for good): name it, and let ``shutdown`` stop it by its pid."""
+    socket file gone for good), or speaks another protocol version (the overmind it was started
+    from was upgraded since): name it, and let ``shutdown`` stop it by its pid."""
+    why = why or f"it was not answering on {config.socket_path}"
     pid = _server_pid(config)
     who = f"overmind-server pid {pid}" if pid else "an overmind-server"
     if args.command != "shutdown":
@@ -363,12 +365,16 @@ def _unreachable_server(config: Config, args: argparse.Namespace) -> int:
     if _alive(pid):
         os.kill(pid, signal.SIGKILL)  # the second signal the server would also take as "now"
         print(f"overmind-server pid {pid} did not stop in {SHUTDOWN_WAIT:.0f}s; killed", file=sys.stderr)
-    print(f"overmind-server pid {pid} stopped (it was not answering on {config.socket_path})")
+    print(f"overmind-server pid {pid} stopped ({why})")
     return EXIT_OK
 
 
 def _not_connected(config: Config, args: argparse.Namespace, err: Exception) -> int:
     """Say why there is no connection; the exit status."""
+    mismatch = isinstance(err, P.VersionMismatch) or \
+        (isinstance(err, P.RemoteError) and err.code == P.ErrorCode.VERSION_MISMATCH)
+    if mismatch and args.command == "shutdown" and server_holding(config):
+        return _unreachable_server(config, args, f"it speaks another protocol version: {err}")
     if not isinstance(err, ServerUnavailable):
         print(f"overmind: cannot talk to the server at {config.socket_path}: {err}", file=sys.stderr)
         return EXIT_FAILED
