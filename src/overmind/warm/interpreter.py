@@ -291,11 +291,7 @@ class WarmInterpreter:
             pass
 
     def _to_learn(self, names) -> None:
-        if INDUCTOR_USED in names:  # a run made Inductor's probes: make them here (overmind.shared.inductor)
-            self.compiles = True
-            if INDUCTOR_USED not in self.learned:
-                self.learned.append(INDUCTOR_USED)  # the server keeps it with what the context learned
-            names = [n for n in names if n != INDUCTOR_USED]
+        self.compiles = self.compiles or INDUCTOR_USED in names  # the mark goes on as a name: overmind.shared.inductor
         new = [n for n in names if isinstance(n, str) and n not in sys.modules and n not in self.refused_modules
                and n not in self.to_learn]
         self.to_learn.extend(new)
