@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -34,6 +33,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from overmind.bench.harness import BenchServer
 
 __all__ = ["CONFIG", "main", "run_scenario"]
 
@@ -89,27 +90,6 @@ def _write(folder: Path) -> dict:
     return paths
 
 
-class _Server:
-    def __init__(self, env: dict, runtime: Path) -> None:
-        runtime.mkdir(mode=0o700)
-        self.env = {**env, "OVERMIND_RUNTIME_DIR": str(runtime), "OVERMIND_NO_AUTOSTART": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "overmind.server.daemon", "--foreground"], env=self.env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        if "ready" not in line:
-            self.stop()
-            raise RuntimeError(f"overmind-server did not start: {line!r}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 def _timed(argv: list, env: dict, cwd: Path, timeout: float = RUN_TIMEOUT) -> tuple[float, str]:
     """(wall seconds of the process as the shell sees it, its last output line); a run that
     fails or outlives ``timeout`` raises (its process group killed)."""
@@ -148,7 +128,7 @@ def run_scenario(pairs: int = 5, hang_runs: int = 0, say=print) -> dict:
             script = str(paths[name])
             plain_env, run_env = base, {**base, "OVERMIND": "1"}
             _, expected = _timed([sys.executable, script], plain_env, folder)
-            server = _Server(run_env, folder / f"rt-{name}")
+            server = BenchServer.start(run_env)  # a private server, fresh for each script
             try:
                 env = server.env
                 curve = []
@@ -186,7 +166,6 @@ def run_scenario(pairs: int = 5, hang_runs: int = 0, say=print) -> dict:
                     f"(x {entry['ratio']}), {hung} of {hang_runs} back-to-back warm runs hung")
             finally:
                 server.stop()
-                shutil.rmtree(folder / f"rt-{name}", ignore_errors=True)
     return results
 
 
