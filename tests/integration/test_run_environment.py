@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from .conftest import ServerProcess
 from .test_run import _env, _plain, _run, _runs, _wait_warm, started_warm_server
 
 INDUCTOR = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1",
@@ -113,3 +116,27 @@ def test_an_installed_librarys_own_setting_read_at_import_is_the_runs_own(env_se
     _until_warm_and_held(env_server, [str(script)], spicy, tmp_path, sees("spicy", []))
     extra = _env(env_server, **{f"{upper}_EXTRA_A": "1"})  # no name read: a prefix iterated
     _until_warm_and_held(env_server, [str(script)], extra, tmp_path, sees("plain", [f"{upper}_EXTRA_A"]))
+
+
+def test_the_first_run_of_a_context_starts_an_interpreter_under_its_settings_so_no_later_run_goes_plain(tmp_path,
+                                                                                                       envlib):
+    """Note [A run's interpreter imports under the run's environment] in overmind.server.pool: a
+    shell that sets a variable some installed import reads (TORCHINDUCTOR_CACHE_DIR, say) gets its
+    warm runs from the second on, not a second plain run while another interpreter imports."""
+    script = tmp_path / "flavour.py"
+    script.write_text(f"import sys\nheld = {envlib!r} in sys.modules\nimport {envlib} as lib\n"
+                      "print(held, lib.FLAVOUR, lib.EXTRAS)\n")
+    runtime = Path(tempfile.mkdtemp(prefix="om-env-first-", dir="/tmp"))
+    server = ServerProcess(runtime)
+    try:
+        spicy = _env(server, **{f"{_prefix()}_FLAVOUR": "spicy"})
+        first = _run(server, str(script), env=spicy, cwd=tmp_path)  # no interpreter yet: plain, and one starts
+        assert first.returncode == 0 and first.stdout == "False spicy []\n", first.stderr[-3000:]
+        assert _runs(server) == 0
+        runs = _until_warm_and_held(server, [str(script)], spicy, tmp_path,
+                                    lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
+        assert all(forked for forked, _ in runs), f"a run went plain on the way: {runs}\n{server.log()[-3000:]}"
+        assert len([z for z in server.status()["loaders"] if z["alive"]]) == 1, server.status()["loaders"]
+    finally:
+        server.stop()
+        shutil.rmtree(runtime, ignore_errors=True)

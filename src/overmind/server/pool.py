@@ -80,11 +80,15 @@ class WarmProcess:
     """One warm interpreter for a context (overmind.warm.interpreter); forks a child per load or run."""
 
     def __init__(self, context: Context, config: Config, modules: list, refused: list = (), on_reads=None,
-                 packages: list = ()) -> None:
+                 packages: list = (), env: dict | None = None) -> None:
         self.context = context
         self.on_reads = on_reads  # called with (context, names, prefixes) its imports read
+        # The environment its imports see: the context's, or a run's whole environment (Note [A run's
+        # interpreter imports under the run's environment] in WarmPool), never another process's settings.
+        self.start_env = {**{k: v for k, v in (env or {}).items() if not k.startswith("OVERMIND_")},
+                          **dict(context.env)}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(context.env)
+        env = dict(self.start_env)
         env["OVERMIND_DISABLE"] = "1"  # a warm interpreter calls originals; it never patches
         env["OVERMIND_RUNTIME_DIR"] = str(config.runtime_dir)
         code = f"from overmind.warm.interpreter import interpreter_main; interpreter_main({theirs.fileno()})"
@@ -237,7 +241,7 @@ class WarmPool:
         self.retired = 0
         self._settling = _Settling()
 
-    def _interpreter(self, context: Context, create: bool = True) -> WarmProcess | None:
+    def _interpreter(self, context: Context, create: bool = True, env: dict | None = None) -> WarmProcess | None:
         with self.lock:
             interpreter = self.interpreters.get(context.key)
             if interpreter is not None and not interpreter.alive:
@@ -250,7 +254,7 @@ class WarmPool:
                 modules, refused = self.lessons.for_new(context, list(self.interpreters.values()))
                 interpreter = self.interpreters[context.key] = WarmProcess(
                     context, self.config, modules, refused, on_reads=self.lessons.heard_reads,
-                    packages=self.lessons.packages_for(context))
+                    packages=self.lessons.packages_for(context), env=env)
             if interpreter is not None:
                 self.interpreters.move_to_end(context.key)
             victims = []
@@ -280,20 +284,26 @@ class WarmPool:
                 if not interpreter.retired and interpreter.alive:
                     P.send_message(interpreter.sock, P.Warm([], packages=list(packages)))
 
-    def prepare(self, context: Context, modules: list = (), packages: list = ()) -> None:
+    def prepare(self, context: Context, modules: list = (), packages: list = (), env: dict | None = None) -> None:
         """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all()),
         and have it import ``modules``, which a client of it imported (Note [Warm interpreters
         learn] in overmind.warm.interpreter), and preload ``packages`` (Note [AOTInductor packages
-        are handed over] in overmind.shared.packages)."""
+        are handed over] in overmind.shared.packages). ``env``: a run's whole environment, for a
+        new interpreter to import under (Note [A run's interpreter imports under the run's environment])."""
         try:
             if modules:
                 self.lessons.add(context, modules)
-            interpreter = self._interpreter(context)
-            with interpreter.lock:
-                if not interpreter.ready and not interpreter.retired:
-                    interpreter._wait_ready()
-                if modules and not interpreter.retired:
-                    P.send_message(interpreter.sock, P.Warm(list(modules)))
+            # A client of a lineage whose runs a variant serves (a run forked from it says what it imported)
+            # starts no interpreter of its own here: a load's miss still does (Note [A run's interpreter
+            # imports under the run's environment]).
+            others = [] if env is not None else self._lineage(context)
+            interpreter = self._interpreter(context, create=not others, env=env)
+            for each in [interpreter] if interpreter is not None else others:
+                with each.lock:
+                    if not each.ready and not each.retired:
+                        each._wait_ready()
+                    if modules and not each.retired:
+                        P.send_message(each.sock, P.Warm(list(modules)))
             if packages:
                 self._learn_packages(context, packages)
         except Exception as err:  # a later load retries and reports properly
@@ -411,28 +421,75 @@ class WarmPool:
         """Loaders that answered and still rebuild their segments (``_Settling``)."""
         return self._settling.count
 
+    # Note [A run's interpreter imports under the run's environment]
+    # The first ``overmind run`` of a context goes plain while an interpreter starts for it. That
+    # interpreter imports under the run's whole environment (its own OVERMIND_* settings aside),
+    # not only the context's: what its imports read is learned only as they read it (Note
+    # [Settings an import read] in overmind.shared.import_env), and one started without, say,
+    # the TORCHINDUCTOR_CACHE_DIR the user's shell sets would be refused by the very next run of
+    # the same shell, which would go plain again while yet another interpreter imports (measured:
+    # a torch.compile script's run 2 at 1.1 x plain, an AOTInductor script's at 1.2-2.2 x). Once
+    # its lineage knows what imports read, an interpreter belongs under the key of its own values
+    # of those (``_rekey``): a run with the same values is forked from it, and one with other values
+    # gets an interpreter of its own instead of being refused by this one for good.
+
+    def _lineage(self, context: Context) -> list:
+        """The live interpreters of ``context``'s lineage."""
+        with self.lock:
+            return [i for i in self.interpreters.values()
+                    if i.context.lineage == context.lineage and i.alive and not i.retired]
+
+    def _own_key(self, interpreter: WarmProcess) -> Context:
+        return self.lessons.with_reads(interpreter.context, interpreter.start_env)
+
+    def _rekey(self, lineage: str) -> None:
+        """File each interpreter of ``lineage`` under its own values of what its imports read."""
+        with self.lock:
+            extra = []
+            for key, interpreter in list(self.interpreters.items()):
+                if interpreter.context.lineage != lineage:
+                    continue
+                own = self._own_key(interpreter)
+                if own.key == key:
+                    continue
+                del self.interpreters[key]
+                if own.key in self.interpreters:  # another serves those values already
+                    extra.append(interpreter)
+                    continue
+                interpreter.context = own
+                self.interpreters[own.key] = interpreter
+        for interpreter in extra:
+            self.lessons.remember(interpreter)
+            logger.info("retiring warm interpreter %d (another imported under the same settings)", interpreter.proc.pid)
+            interpreter.retire()
+
     def fork_run(self, context: Context, spec: RunSpec, fds: list[int]) -> int:
         """Fork a run from the context's ready interpreter; its pid, or RunRefused (and one is
         made ready for next time)."""
+        self._rekey(context.lineage)
         base, context = context, self.lessons.with_reads(context, spec.env)
         interpreter = self._interpreter(context, create=False)
         if interpreter is None or not interpreter.ready:
             if interpreter is None:
-                threading.Thread(target=self.prepare, args=(context,), daemon=True, name="overmind-prepare").start()
+                threading.Thread(target=self.prepare, args=(context,), kwargs={"env": spec.env}, daemon=True,
+                                 name="overmind-prepare").start()
             raise RunRefused("no warm interpreter for this context yet; one is starting")
         try:
             return interpreter.fork_run(spec, fds)
         except P.RemoteError as err:
             if err.code == P.ErrorCode.ENV_DIFFERS:  # it told us what its imports read: key on that now
+                self._rekey(base.lineage)
                 again = self.lessons.with_reads(base, spec.env)
-                if again.key != context.key:
-                    threading.Thread(target=self.prepare, args=(again,), daemon=True, name="overmind-prepare").start()
+                if self._interpreter(again, create=False) is None:
+                    threading.Thread(target=self.prepare, args=(again,), kwargs={"env": spec.env}, daemon=True,
+                                     name="overmind-prepare").start()
                 raise RunRefused(f"{err.message} (Note [Settings an import read]); an interpreter imported "
                                  "under this run's environment is starting") from None
             if err.code != P.ErrorCode.NOT_FORKABLE:
                 raise RunRefused(err.message) from None
             self._retire(interpreter, err.message)
-            threading.Thread(target=self.prepare, args=(context,), daemon=True, name="overmind-prepare").start()
+            threading.Thread(target=self.prepare, args=(context,), kwargs={"env": spec.env}, daemon=True,
+                             name="overmind-prepare").start()
             raise RunRefused(f"the warm interpreter cannot fork ({err.message}); a fresh one is starting") from None
         except (OSError, EOFError, P.ProtocolError) as err:
             self._retire(interpreter, str(err))
