@@ -364,3 +364,19 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_restart_scenario_times_a_client_beside_a_restore_against_one_beside_nothing(tmp_path):
+    """overmind-bench --scenarios restart (overmind.bench.restart): the client-during-restore pairs
+    really ran beside a restore (the server had entries to refill) and beside none."""
+    out = tmp_path / "restart.json"
+    proc = subprocess.run([sys.executable, "-m", "overmind.bench", "--scenarios", "restart", "--scale", "tiny",
+                           "--stop", "none", "--contention-pairs", "1", "--json", str(out)],
+                          env=child_env(HF_HUB_OFFLINE="1", OVERMIND_BENCH_CACHE=str(tmp_path / "models")),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(out.read_text())["client_during_restore"]
+    assert [len(found["exit_seconds"][case]) for case in ("restoring", "nothing")] == [1, 1], found
+    assert found["restore_states"]["nothing"] == ["none"], found
+    assert found["restore_states"]["restoring"][0] in ("restoring", "done"), found
+    assert found["ratio"] > 0

@@ -21,6 +21,9 @@ cache folder (``--cache-dir``, default ``~/.cache/overmind-bench``). Scenarios:
 - ``custom``: your ``--loader`` and ``--model``;
 - ``memory``: K processes hold a model, plain vs overmind: summed PSS and used memory;
 - ``startup``: what ``import overmind.api; monkey_patch_all()`` adds to an interpreter.
+- ``compiled`` and ``restart``, each alone (their own runners): a ``torch.compile`` and an
+  AOTInductor script under ``overmind run`` (:mod:`overmind.bench.compiled`), and how warm a
+  restarted server is, and how much its restore slows a client (:mod:`overmind.bench.restart`).
 
 Each load of the load scenarios runs in a fresh process in three modes: plain
 (``OVERMIND_DISABLE=1``), overmind cold (after evicting the cache) and overmind warm; with

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         + " (default base; --quick: small)")
     parser.add_argument("--scenarios", metavar="LIST",
                         help=f"comma-separated, from {', '.join((*LOAD_SCENARIOS, *EXTRA_SCENARIOS))} "
-                             "(default: all built-in ones; with --model: custom,memory,startup)")
+                             "(default: all built-in ones; with --model: custom,memory,startup); or compiled, "
+                             "or restart, alone")
     parser.add_argument("--memory-cases", metavar="LIST",
                         help="the load scenarios the memory scenario holds (default controlnet,fp32_as_fp16; "
                              "--quick: controlnet; with --model: custom)")
@@ -66,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"its modes, from {', '.join(WHOLE_MODES)} (default all; plain is required)")
     parser.add_argument("--hang-runs", type=int, metavar="N", default=0,
                         help="compiled scenario: N more back-to-back warm runs of each script, each bounded in time")
+    parser.add_argument("--stop", choices=("shutdown", "sigkill", "both", "none"), default="both",
+                        help="restart scenario: how the server is stopped before its restore (default both)")
+    parser.add_argument("--contention-pairs", type=int, metavar="N", default=3,
+                        help="restart scenario: pairs of a client run during a restore against one beside nothing "
+                             "to restore (default 3; 0 skips them)")
     parser.add_argument("--whole-runs", type=int, metavar="N",
                         help="its timed runs per script and mode (default 5; --quick: 3)")
     parser.add_argument("--curve-scripts", metavar="LIST",
@@ -218,6 +224,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from overmind.bench import compiled
 
         return compiled.main(argv)
+    if (args.scenarios or "").strip() == "restart":  # its own runner: overmind.bench.restart
+        from overmind.bench import restart
+
+        return restart.main(argv)
     started = time.monotonic()
     try:
         plan, extra = make_plan(args)

@@ -17,8 +17,15 @@ interpreter learn); then for each way of stopping (``overmind shutdown``, SIGKIL
   warm interpreters: each refill starts as a first miss would), timed the same way
   (target: restore <= cold fill x 1.2).
 
+Then *a client during a restore* (``--contention-pairs N``, default 3; 0 skips it): a server
+whose state holds the ControlNet entries only is started, and as soon as its refills run, the
+LM script runs patched from the shell (its own model not cached: a first load); against the
+same run beside a server started with nothing to restore, in alternating pairs (target: at most
+1.10 x). Its restore and its fill share the machine with the client as any restore would.
+
 Times are from the start of the process to its model ready (``ready``) and to its exit, as
 overmind.bench.whole measures them. One JSON document on stdout (or ``--json FILE``).
+``overmind-bench --scenarios restart [--scale S] [--stop S] [--contention-pairs N]`` runs the same.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -41,7 +49,8 @@ from overmind.bench.whole import RUN_TIMEOUT, SCRIPTS, front_end, read_marks, sc
 
 __all__ = ["main", "TARGETS"]
 
-TARGETS = {"restore_over_cold_fill": 1.2, "run_over_plain": 0.15, "patched_over_plain": 0.92}
+TARGETS = {"restore_over_cold_fill": 1.2, "run_over_plain": 0.15, "patched_over_plain": 0.92,
+           "client_during_restore": 1.10}
 SCRIPT_NAMES = ("controlnet", "lm")
 
 
@@ -140,15 +149,78 @@ def run(scale: str, stops: list, say) -> dict:
     return results
 
 
+def _until_refilling(server: BenchServer, timeout: float = 120.0) -> None:
+    """Until the restore's interpreters are ready and its refills run (or it ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        restore = server.status()["restore"]
+        if restore["state"] != "restoring" or (restore["interpreters_pending"] == 0 and restore["current"]):
+            return
+        time.sleep(0.1)
+
+
+def client_during_restore(scale: str, pairs: int, say) -> dict:
+    """The LM script, patched, its model not cached, run at once beside a server that restores the
+    ControlNet entries, against beside one with nothing to restore, in alternating pairs."""
+    paths = ensure_models(default_cache_dir(), scale, sorted({m for n in SCRIPT_NAMES for m in SCRIPTS[n].models}))
+    folder = Path(tempfile.mkdtemp(prefix="om-bench-restore-client-"))
+    for name in SCRIPT_NAMES:
+        (folder / f"{name}.py").write_text(script_source(name, paths))
+    server = BenchServer.start()
+    state, kept = server.runtime_dir / "state", folder / "state-kept"
+    patched_env = server.client_env({"OVERMIND": "1"})
+    timed: dict = {"restoring": [], "nothing": []}
+    restores: dict = {"restoring": [], "nothing": []}  # the restore's state as each client exited
+    try:
+        for _ in range(2):  # what the restore will refill: the ControlNet entries, learned
+            _time([sys.executable, "controlnet.py"], patched_env, str(folder))
+            server.wait_idle()
+        time.sleep(3)  # one save at least (SAVE_INTERVAL)
+        server.stop(remove=False)
+        _wait_gone(server.pid)
+        shutil.copytree(state, kept)
+        for _ in range(pairs):
+            for case in ("restoring", "nothing"):
+                shutil.rmtree(state, ignore_errors=True)
+                if case == "restoring":
+                    shutil.copytree(kept, state)
+                server.launch()
+                if case == "restoring":
+                    _until_refilling(server)
+                t = _time([sys.executable, "lm.py"], patched_env, str(folder))
+                restore = server.status()["restore"]
+                timed[case].append(t["exit"])
+                restores[case].append(restore["state"])
+                say(f"client during a restore: lm patched beside {case}: exit {t['exit']:.2f}s (restore {restore})")
+                server.wait_idle()
+                server.stop(remove=False)
+                _wait_gone(server.pid)
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    medians = {case: statistics.median(v) for case, v in timed.items()}
+    return {"pairs": pairs, "exit_seconds": timed, "restore_states": restores, "median_seconds": medians,
+            "ratio": medians["restoring"] / medians["nothing"]}
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m overmind.bench.restart", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default="restart", help=argparse.SUPPRESS)  # overmind-bench --scenarios restart
     parser.add_argument("--scale", choices=sorted(SCALES), default="base", help="model sizes (default base: SD1.5)")
-    parser.add_argument("--stop", choices=("shutdown", "sigkill", "both"), default="both")
+    parser.add_argument("--stop", choices=("shutdown", "sigkill", "both", "none"), default="both",
+                        help="how the server is stopped before a restore (none: only the client-during-restore pairs)")
+    parser.add_argument("--contention-pairs", type=int, default=3, metavar="N",
+                        help="pairs of the client-during-restore measurement (default 3; 0 skips it)")
     parser.add_argument("--json", metavar="FILE", help="write the results here (default: stdout)")
-    args = parser.parse_args(argv)
-    stops = ["shutdown", "sigkill"] if args.stop == "both" else [args.stop]
-    results = run(args.scale, stops, lambda line: print(line, file=sys.stderr, flush=True))
+    args, _ = parser.parse_known_args(argv)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    stops = {"both": ["shutdown", "sigkill"], "none": []}.get(args.stop, [args.stop])
+    results = run(args.scale, stops, say) if stops else {"scale": args.scale, "targets": TARGETS}
+    if args.contention_pairs > 0:
+        results["client_during_restore"] = found = client_during_restore(args.scale, args.contention_pairs, say)
+        say(f"client during a restore: {found['ratio']:.3f} x beside nothing to restore "
+            f"(target <= {TARGETS['client_during_restore']})")
     text = json.dumps(results, indent=1, sort_keys=True)
     if args.json:
         Path(args.json).write_text(text)
