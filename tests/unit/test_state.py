@@ -287,3 +287,44 @@ def test_state_dir_and_restore_settings():
     for bad in ("lots", "150%", "-1G"):
         with pytest.raises(ConfigError, match="OVERMIND_RESTORE"):
             Config.from_env({**base, "OVERMIND_RESTORE": bad})
+
+
+PACKAGE = {"point": "torch._inductor::aoti_load_package", "path": "/models/block.pt2",
+           "kwargs": {"load_constants": True}}
+
+
+def test_a_contexts_aoti_packages_are_kept_and_malformed_ones_dropped(tmp_path):
+    """Note [The state file]: what a context's runs loaded with aoti_load_package, checked as a
+    client's Prepare is (overmind.shared.packages.packages_from_wire)."""
+    bad = [{**PACKAGE, "path": "relative/block.pt2"}, {**PACKAGE, "point": "os::system"}, "block.pt2",
+           {**PACKAGE, "kwargs": {"f": {"$py": "os.system"}}}]
+    context = {"python": sys.executable, "env": {}, "modules": [], "refused": [], "last_used": 1.0,
+               "packages": [PACKAGE, *bad]}
+    (kept,) = parse_state(_doc(tmp_path, contexts=[context]), *CHECKS).contexts
+    assert kept["packages"] == [PACKAGE]
+
+
+def test_aoti_packages_a_context_learned_survive_a_restart(tmp_path):
+    from overmind.server.restore import Restore
+
+    keeper = _keeper(tmp_path)
+    (tmp_path / "state").mkdir(mode=0o700)
+    context = {"python": sys.executable, "env": {"HOME": "/x"}, "modules": ["torch"], "refused": [], "last_used": 1.0}
+    keeper.config.state_path.write_bytes(_doc(tmp_path, contexts=[context]))
+    assert keeper.open(*CHECKS) is not None
+    base, _, _ = context_from_wire({**context, "cwd": "/", "sys_path": []})
+    keeper.pool.lessons.add_packages(base, [PACKAGE])  # a run of it loaded the package
+    assert keeper.save_if_changed()
+    keeper.close()
+    state = parse_state(keeper.config.state_path.read_bytes(), *CHECKS)
+    assert state.contexts[0]["packages"] == [PACKAGE]
+    fresh = WarmPool(keeper.config)  # the next server's
+
+    class _Loads:
+        pool, history = fresh, ProgramHistory()
+
+        def remember_plain_seconds(self, key, seconds):
+            pass
+
+    Restore(keeper.config, None, _Loads(), None, None)._teach(state)
+    assert fresh.lessons.packages_for(base) == [PACKAGE]  # its interpreters preload it

@@ -114,6 +114,12 @@ class Lessons:
         return {lineage: (modules[:MAX_LEARNED], refused.get(lineage, []), *reads.get(lineage, ([], [])))
                 for lineage, modules in known.items()}
 
+    def packages_snapshot(self) -> dict:
+        """lineage -> the AOTInductor packages its runs loaded, but those refused: kept across a restart."""
+        with self.lock:
+            return {lineage: [p for p in packages if refusal_name(p) not in self.refused.get(lineage, set())]
+                    for lineage, packages in self.packages.items() if packages}
+
     def teach(self, context: Context, modules: list, refused: list, names: list, prefixes: list) -> None:
         """What ``context``'s lineage learned before a restart (overmind.server.restore), checked as a
         client's Prepare is: its interpreters import ``modules`` and key on ``names``."""

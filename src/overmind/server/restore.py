@@ -132,6 +132,8 @@ class Restore:
                 continue
             reads = context["reads"]
             self.pool.lessons.teach(base, context["modules"], context["refused"], reads["names"], reads["prefixes"])
+            if context.get("packages"):  # preloaded by the interpreters the restore starts
+                self.pool.lessons.add_packages(base, context["packages"])
         if state.programs:
             self.loads.history.restore(state.programs)
         for entry in state.entries:

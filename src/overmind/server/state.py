@@ -15,7 +15,9 @@ directory (``OVERMIND_STATE_DIR``, default ``$XDG_STATE_HOME/overmind``)::
      "contexts": [{"python": "/venv/bin/python", "env": {"HF_HOME": "...", ...},
                    "modules": ["torch", "diffusers", ...], "refused": [...],
                    "reads": {"names": [...], "prefixes": [...]}, "last_used": 1716199990.0,
-                   "interpreters": [{"values": {"TORCHINDUCTOR_CACHE_DIR": "..."}, "last_used": 1716199990.0}]}],
+                   "interpreters": [{"values": {"TORCHINDUCTOR_CACHE_DIR": "..."}, "last_used": 1716199990.0}],
+                   "packages": [{"point": "torch._inductor::aoti_load_package", "path": "/m/block.pt2",
+                                 "kwargs": {...}}]}],
      "entries": [{"load": {...the Load message's fields as the client sent them...},
                   "blob": "<base64 of the pickled call>",
                   "files": [[path, size, mtime_ns, ino, dev, ctime_ns], ...],
@@ -24,8 +26,10 @@ directory (``OVERMIND_STATE_DIR``, default ``$XDG_STATE_HOME/overmind``)::
 
 - ``contexts``: per lineage of warm interpreters (overmind.server.pool), the environment a
   client sent for it, the installed modules its runs and loads imported, those it must not
-  import, the variables its imports read, and the interpreters that were warm, with the
-  values of those variables each was keyed on.
+  import, the variables its imports read, the interpreters that were warm, with the
+  values of those variables each was keyed on, and the AOTInductor packages its runs loaded
+  (Note [AOTInductor packages are handed over] in overmind.shared.packages: a preload checks the
+  file's fingerprint again, so a package changed meanwhile is never handed over).
 - ``entries``: the most recently used cache entries (MAX_ENTRIES), each the load call as the
   client sent it (the Load fields and the blob: what the loader replays), the fingerprints of
   the files its loader read (what a refill re-checks: Note [Never stale] in overmind.server.restore),
@@ -70,6 +74,7 @@ from overmind import __version__
 from overmind.shared import protocol as P
 from overmind.shared.config import Config, ConfigError, ensure_private_dir, selecting_environment
 from overmind.shared.import_env import reads_from_wire
+from overmind.shared.packages import packages_from_wire
 from overmind.shared.contexts import Context
 
 logger = logging.getLogger("overmind.server.state")
@@ -268,7 +273,7 @@ def _checked_context(item, check_context, check_modules) -> Optional[dict]:
             interpreters.append({"values": values, "last_used": float(one["last_used"])})
     return {"python": python, "env": selecting_environment(env), "modules": modules, "refused": refused,
             "reads": {"names": names, "prefixes": prefixes}, "last_used": float(item["last_used"]),
-            "interpreters": interpreters}
+            "interpreters": interpreters, "packages": packages_from_wire(item.get("packages"))}
 
 
 def _checked_entry(item, check_load) -> Optional[dict]:
@@ -415,7 +420,8 @@ class StateKeeper:
             record = self.contexts.get(context.lineage)
             if record is None:
                 record = {"python": context.python, "env": base, "modules": [], "refused": [],
-                          "reads": {"names": [], "prefixes": []}, "last_used": last_used, "interpreters": []}
+                          "reads": {"names": [], "prefixes": []}, "last_used": last_used, "interpreters": [],
+                          "packages": []}
                 if _lineage(record) != context.lineage:
                     continue  # not a context a client sent: nothing we could restore
                 self.contexts[context.lineage] = record
@@ -431,6 +437,10 @@ class StateKeeper:
                 record["refused"] = sorted({*refused, *record["refused"]})
                 record["reads"] = {"names": sorted({*names, *record["reads"]["names"]}),
                                    "prefixes": sorted({*prefixes, *record["reads"]["prefixes"]})}
+        for lineage, packages in self.pool.lessons.packages_snapshot().items():
+            record = self.contexts.get(lineage)
+            if record is not None:
+                record["packages"] = packages
         while len(self.contexts) > MAX_CONTEXTS:
             del self.contexts[min(self.contexts, key=lambda k: self.contexts[k]["last_used"])]
 
