@@ -199,11 +199,13 @@ def _prepare() -> None:
         from overmind.client.connection import Connection
         from overmind.shared import protocol as P
         from overmind.shared.config import Config
-        from overmind.shared.contexts import caller_context
+        from overmind.shared.contexts import caller_context, in_warm_run
 
         config = Config.from_env()
         conn = Connection.open(config)
-        conn.simple(P.Prepare(caller_context()), P.Ok, timeout=config.reply_timeout)
+        if not in_warm_run():  # a forked run's interpreter serves its context already (Note [A run's
+            # interpreter imports under the run's environment] in overmind.server.pool)
+            conn.simple(P.Prepare(caller_context()), P.Ok, timeout=config.reply_timeout)
         from overmind.client import prefetch  # Note [Prefetch] in overmind.client.prefetch
 
         server_pid, entries = prefetch.plan(conn)

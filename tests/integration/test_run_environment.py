@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
 import tempfile
 import time
@@ -136,6 +138,38 @@ def test_the_first_run_of_a_context_starts_an_interpreter_under_its_settings_so_
         runs = _until_warm_and_held(server, [str(script)], spicy, tmp_path,
                                     lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
         assert all(forked for forked, _ in runs), f"a run went plain on the way: {runs}\n{server.log()[-3000:]}"
+        assert len([z for z in server.status()["loaders"] if z["alive"]]) == 1, server.status()["loaders"]
+    finally:
+        server.stop()
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+READ_ENV = """
+import os
+
+
+def read(name):
+    return {"value": os.environ.get(name)}
+"""
+
+
+def test_a_load_forked_from_an_interpreter_a_run_started_sees_its_contexts_environment_not_that_runs(tmp_path):
+    """The first run's interpreter imports under that run's whole environment; a loader forked
+    from it for another client's load keeps only what selects the context (overmind.warm.loader)."""
+    (tmp_path / "readenv.py").write_text(READ_ENV)
+    name = f"SHELL_ONLY_{os.getpid()}"  # no prefix overmind keys on
+    runtime = Path(tempfile.mkdtemp(prefix="om-env-load-", dir="/tmp"))
+    server = ServerProcess(runtime)
+    try:
+        first = _run(server, "-c", "pass", env=_env(server, **{name: "the first shell's"}), cwd=tmp_path)
+        assert first.returncode == 0 and _runs(server) == 0, first.stderr[-3000:]  # plain; an interpreter starts
+        _wait_warm(server)
+        client = ("import json, overmind.api, readenv\n"
+                  f"print(json.dumps(overmind.api.load(readenv.read, {name!r})))\n")
+        proc = subprocess.run([sys.executable, "-c", client], env=_env(server, OVERMIND_COLD="wait", OVERMIND_STRICT="1"),
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(proc.stdout) == {"value": None}, server.log()[-3000:]  # the loader's answer, waited for
         assert len([z for z in server.status()["loaders"] if z["alive"]]) == 1, server.status()["loaders"]
     finally:
         server.stop()

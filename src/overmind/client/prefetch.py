@@ -208,13 +208,15 @@ def _after_torch_import(timeout: float = 60.0) -> None:
 def background(config: "Config", server_pid: int, entries: list) -> None:
     """The rest of monkey_patch_all()'s background thread, once its connection is handed on."""
     from overmind.client.connection import Connection
+    from overmind.shared.contexts import in_warm_run
 
     try:
         started = time.monotonic()
         budget = config.max_memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
         done = prepare(server_pid, entries, budget) if entries else 0
         logger.debug("prefetched %d bytes in %.3f s", done, time.monotonic() - started)
-        if not entries:  # a program with history taught its imports when it ran first
+        if not entries and not in_warm_run():  # a program with history taught its imports when it ran
+            # first; a forked run's interpreter learns them from the run's report at exit
             with Connection.open(config, autostart=False) as conn:
                 report_imports(conn)
     except Exception as err:  # noqa: BLE001 - a head start only; the loads do it all themselves

@@ -293,17 +293,12 @@ class WarmPool:
         try:
             if modules:
                 self.lessons.add(context, modules)
-            # A client of a lineage whose runs a variant serves (a run forked from it says what it imported)
-            # starts no interpreter of its own here: a load's miss still does (Note [A run's interpreter
-            # imports under the run's environment]).
-            others = [] if env is not None else self._lineage(context)
-            interpreter = self._interpreter(context, create=not others, env=env)
-            for each in [interpreter] if interpreter is not None else others:
-                with each.lock:
-                    if not each.ready and not each.retired:
-                        each._wait_ready()
-                    if modules and not each.retired:
-                        P.send_message(each.sock, P.Warm(list(modules)))
+            interpreter = self._interpreter(context, env=env)
+            with interpreter.lock:
+                if not interpreter.ready and not interpreter.retired:
+                    interpreter._wait_ready()
+                if modules and not interpreter.retired:
+                    P.send_message(interpreter.sock, P.Warm(list(modules)))
             if packages:
                 self._learn_packages(context, packages)
         except Exception as err:  # a later load retries and reports properly
@@ -433,33 +428,37 @@ class WarmPool:
     # of those (``_rekey``): a run with the same values is forked from it, and one with other values
     # gets an interpreter of its own instead of being refused by this one for good.
 
-    def _lineage(self, context: Context) -> list:
-        """The live interpreters of ``context``'s lineage."""
-        with self.lock:
-            return [i for i in self.interpreters.values()
-                    if i.context.lineage == context.lineage and i.alive and not i.retired]
-
     def _own_key(self, interpreter: WarmProcess) -> Context:
         return self.lessons.with_reads(interpreter.context, interpreter.start_env)
 
     def _rekey(self, lineage: str) -> None:
-        """File each interpreter of ``lineage`` under its own values of what its imports read."""
+        """File each interpreter of ``lineage`` under its own values of what its imports read, in its
+        place among the least recently used; of two that end up with one key, the ready, more recently
+        used one stays."""
         with self.lock:
+            owned = {key: self._own_key(interpreter) for key, interpreter in self.interpreters.items()
+                     if interpreter.context.lineage == lineage}
+            if all(own.key == key for key, own in owned.items()):
+                return
+            kept: "OrderedDict[str, WarmProcess]" = OrderedDict()
             extra = []
-            for key, interpreter in list(self.interpreters.items()):
-                if interpreter.context.lineage != lineage:
-                    continue
-                own = self._own_key(interpreter)
-                if own.key == key:
-                    continue
-                del self.interpreters[key]
-                if own.key in self.interpreters:  # another serves those values already
-                    extra.append(interpreter)
-                    continue
-                interpreter.context = own
-                self.interpreters[own.key] = interpreter
+            for key, interpreter in self.interpreters.items():  # least recently used first
+                own = owned.get(key)
+                if own is not None:
+                    interpreter.context = own
+                    key = own.key
+                other = kept.get(key)
+                if other is not None:  # the later one is the more recently used
+                    stays, goes = (interpreter, other) if interpreter.ready or not other.ready else (other, interpreter)
+                    extra.append(goes)
+                    kept.pop(key)
+                    interpreter = stays
+                kept[key] = interpreter
+            self.interpreters = kept
+            for interpreter in extra:
+                self.lessons.remember(interpreter)
+                self.retired += 1
         for interpreter in extra:
-            self.lessons.remember(interpreter)
             logger.info("retiring warm interpreter %d (another imported under the same settings)", interpreter.proc.pid)
             interpreter.retire()
 

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 from overmind.shared.config import selecting_environment
 
-__all__ = ["Context", "RunSpec", "caller_context", "load_context_from_wire", "MODES"]
+__all__ = ["Context", "RunSpec", "caller_context", "load_context_from_wire", "MODES", "mark_warm_run",
+           "in_warm_run"]
 
 MODES = ("script", "module", "code")
 
@@ -62,6 +63,21 @@ class Context:
         if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
             raise ValueError("context env must map strings to strings")
         return cls(python, tuple(sorted(selecting_environment(env).items())))
+
+
+_warm_run = False  # this process is a run forked from a warm interpreter (overmind.warm.child)
+
+
+def mark_warm_run() -> None:
+    """Said by overmind.warm.child in a run it forked, before the user's code starts."""
+    global _warm_run
+    _warm_run = True
+
+
+def in_warm_run() -> bool:
+    """Whether this process is a run forked from a warm interpreter: that interpreter serves its
+    context's runs, and learns what the run imported from its report at exit."""
+    return _warm_run
 
 
 def caller_context(python: str | None = None, load: bool = True) -> dict:

@@ -73,7 +73,7 @@ import types
 from typing import Callable, NoReturn
 
 from overmind.shared import teardown
-from overmind.shared.contexts import RunSpec
+from overmind.shared.contexts import RunSpec, mark_warm_run
 from overmind.warm import startup
 from overmind.warm.installed import RUN_FOLDERS, installed_modules  # noqa: F401  (installed_modules: re-exported)
 
@@ -99,6 +99,7 @@ def become(spec: dict, stdin_fd: int, stdout_fd: int, stderr_fd: int) -> NoRetur
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         _install_fds(stdin_fd, stdout_fd, stderr_fd)
         run = RunSpec.from_wire(spec)
+        mark_warm_run()  # monkey_patch_all() asks for no interpreter of its own (overmind.api._prepare)
         teardown.exit_handled_elsewhere()  # _finalize leaves; monkey_patch_all() adds nothing
         try:
             importer = _prepare(run)

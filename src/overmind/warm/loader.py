@@ -231,11 +231,24 @@ class _Handed:
         return self.built[key]
 
 
+def _context_environment() -> None:
+    """A load runs in its context's environment (Note [Environment that selects an interpreter] in
+    overmind.shared.config), also in an interpreter that a run started under that run's whole
+    environment (Note [A run's interpreter imports under the run's environment] in overmind.server.pool):
+    another shell's other variables (proxies, credentials, a script's own settings) stay out of it."""
+    from overmind.shared.config import selecting_environment
+
+    keep = set(selecting_environment(os.environ))
+    for name in [n for n in os.environ if n not in keep and not n.startswith("OVERMIND_")]:
+        del os.environ[name]
+
+
 def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
     """Run one load in this (forked) process; answer on ``job_sock``. Returns the exit code."""
     started = time.monotonic()
     code = P.ErrorCode.CANNOT_CACHE  # until the original runs, and once it has returned
     try:
+        _context_environment()
         sys.path[:] = job.sys_path
         from overmind.shared import callstate, quirks
         from overmind.shared.calls import decode_call
