@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import sys
 import os
 import time
 
@@ -145,3 +146,22 @@ def test_the_fork_check_sees_a_started_thread_pool_even_after_torchs_thread_ende
     now, ready = map(int, counts.split())
     assert now <= ready  # as many threads as when ready...
     assert "thread pool (OpenMP / intra-op)" in why  # ...and still the pool is seen
+
+
+def test_a_package_a_run_reports_reaches_its_lineage_and_starts_no_interpreter(tmp_path):
+    """A run forked from a variant interpreter that loads a package plainly tells the server: the
+    lineage learns it (its interpreters preload it, and its next ones), and no interpreter of the
+    base context starts beside the one serving the run (overmind.server.pool.WarmPool.prepare)."""
+    from overmind.server.pool import WarmPool, context_from_wire
+    from overmind.shared.config import Config
+
+    (tmp_path / "run").mkdir(mode=0o700)  # where an interpreter's log would go
+    pool = WarmPool(Config(tmp_path / "run"))
+    context, _, _ = context_from_wire({"python": sys.executable, "env": {}, "cwd": "/", "sys_path": []})
+    spec = {"point": "torch._inductor::aoti_load_package", "path": str(tmp_path / "block.pt2"), "kwargs": {}}
+    try:
+        pool.prepare(context, packages=[spec])
+        assert pool.live() == []
+        assert pool.lessons.packages_for(context) == [spec]
+    finally:
+        pool.close()

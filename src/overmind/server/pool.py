@@ -291,6 +291,10 @@ class WarmPool:
         are handed over] in overmind.shared.packages). ``env``: a run's whole environment, for a
         new interpreter to import under (Note [A run's interpreter imports under the run's environment])."""
         try:
+            if packages and not modules and env is None:
+                # A run that loaded a package says so (overmind.client.aoti): the lineage's interpreters
+                # preload it, and its next ones; it asks for no interpreter (a forked run has one).
+                return self._learn_packages(context, packages)
             if modules:
                 self.lessons.add(context, modules)
             interpreter = self._interpreter(context, env=env)
