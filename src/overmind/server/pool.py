@@ -420,44 +420,12 @@ class WarmPool:
         """Loaders that answered and still rebuild their segments (``_Settling``)."""
         return self._settling.count
 
-    # Note [A run's interpreter imports under the run's environment]
-    # The first ``overmind run`` of a context goes plain while an interpreter starts for it. That
-    # interpreter imports under the run's whole environment (its own OVERMIND_* settings aside),
-    # not only the context's: what its imports read is learned only as they read it (Note
-    # [Settings an import read] in overmind.shared.import_env), and one started without, say,
-    # the TORCHINDUCTOR_CACHE_DIR the user's shell sets would be refused by the very next run of
-    # the same shell, which would go plain again while yet another interpreter imports (measured:
-    # a torch.compile script's run 2 at 1.1 x plain, an AOTInductor script's at 1.2-2.2 x). Once
-    # its lineage knows what imports read, an interpreter belongs under the key of its own values
-    # of those (``_rekey``): a run with the same values is forked from it, and one with other values
-    # gets an interpreter of its own instead of being refused by this one for good.
-
-    def _own_key(self, interpreter: WarmProcess) -> Context:
-        return self.lessons.with_reads(interpreter.context, interpreter.start_env)
-
     def _rekey(self, lineage: str) -> None:
-        """File each interpreter of ``lineage`` under its own values of what its imports read, in its
-        place among the least recently used; of two that end up with one key, the ready, more recently
-        used one stays."""
+        """Note [A run's interpreter imports under the run's environment]."""
         with self.lock:
-            owned = {key: self._own_key(interpreter) for key, interpreter in self.interpreters.items()
-                     if interpreter.context.lineage == lineage}
-            if all(own.key == key for key, own in owned.items()):
+            kept, extra = _filed_by_own_values(self.interpreters, lineage, self.lessons.with_reads)
+            if kept is None:
                 return
-            kept: "OrderedDict[str, WarmProcess]" = OrderedDict()
-            extra = []
-            for key, interpreter in self.interpreters.items():  # least recently used first
-                own = owned.get(key)
-                if own is not None:
-                    interpreter.context = own
-                    key = own.key
-                other = kept.get(key)
-                if other is not None:  # the later one is the more recently used
-                    stays, goes = (interpreter, other) if interpreter.ready or not other.ready else (other, interpreter)
-                    extra.append(goes)
-                    kept.pop(key)
-                    interpreter = stays
-                kept[key] = interpreter
             self.interpreters = kept
             for interpreter in extra:
                 self.lessons.remember(interpreter)
@@ -545,6 +513,44 @@ class WarmPool:
                 interpreter.retire()
             else:
                 interpreter.kill()
+
+
+# Note [A run's interpreter imports under the run's environment]
+# The first ``overmind run`` of a context goes plain while an interpreter starts for it. That
+# interpreter imports under the run's whole environment (its own OVERMIND_* settings aside),
+# not only the context's: what its imports read is learned only as they read it (Note
+# [Settings an import read] in overmind.shared.import_env), and one started without, say,
+# the TORCHINDUCTOR_CACHE_DIR the user's shell sets would be refused by the very next run of
+# the same shell, which would go plain again while yet another interpreter imports (measured:
+# a torch.compile script's run 2 at 1.1 x plain, an AOTInductor script's at 1.2-2.2 x). Once
+# its lineage knows what imports read, an interpreter belongs under the key of its own values
+# of those (``_rekey``): a run with the same values is forked from it, and one with other values
+# gets an interpreter of its own instead of being refused by this one for good.
+
+def _filed_by_own_values(interpreters: "OrderedDict[str, WarmProcess]", lineage: str, with_reads):
+    """(the interpreters with those of ``lineage`` filed under their own values of what their imports
+    read, each in its place among the least recently used; those that lost their key to another), or
+    (None, []) when each is filed so already. Of two that end up with one key, the ready, more
+    recently used one stays."""
+    owned = {key: with_reads(interpreter.context, interpreter.start_env) for key, interpreter in interpreters.items()
+             if interpreter.context.lineage == lineage}
+    if all(own.key == key for key, own in owned.items()):
+        return None, []
+    kept: "OrderedDict[str, WarmProcess]" = OrderedDict()
+    extra = []
+    for key, interpreter in interpreters.items():  # least recently used first
+        own = owned.get(key)
+        if own is not None:
+            interpreter.context = own
+            key = own.key
+        other = kept.get(key)
+        if other is not None:  # the later one is the more recently used
+            stays, goes = (interpreter, other) if interpreter.ready or not other.ready else (other, interpreter)
+            extra.append(goes)
+            kept.pop(key)
+            interpreter = stays
+        kept[key] = interpreter
+    return kept, extra
 
 
 class _Settling:
