@@ -95,11 +95,17 @@ def _restart(server: BenchServer, stop: str, strip_learning: bool = False) -> di
     return {"seconds": seconds, "restore": server.status()["restore"]}
 
 
-def run(scale: str, stops: list, say) -> dict:
+def _scripts(scale: str, prefix: str) -> Path:
+    """A new folder holding SCRIPT_NAMES' scripts, their models generated at ``scale`` if need be."""
     paths = ensure_models(default_cache_dir(), scale, sorted({m for n in SCRIPT_NAMES for m in SCRIPTS[n].models}))
-    folder = Path(tempfile.mkdtemp(prefix="om-bench-restart-"))
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
     for name in SCRIPT_NAMES:
         (folder / f"{name}.py").write_text(script_source(name, paths))
+    return folder
+
+
+def run(scale: str, stops: list, say) -> dict:
+    folder = _scripts(scale, "om-bench-restart-")
     server = BenchServer.start()
     results: dict = {"scale": scale, "targets": TARGETS, "plain": {}, "stops": {}}
     try:
@@ -162,10 +168,7 @@ def _until_refilling(server: BenchServer, timeout: float = 120.0) -> None:
 def client_during_restore(scale: str, pairs: int, say) -> dict:
     """The LM script, patched, its model not cached, run at once beside a server that restores the
     ControlNet entries, against beside one with nothing to restore, in alternating pairs."""
-    paths = ensure_models(default_cache_dir(), scale, sorted({m for n in SCRIPT_NAMES for m in SCRIPTS[n].models}))
-    folder = Path(tempfile.mkdtemp(prefix="om-bench-restore-client-"))
-    for name in SCRIPT_NAMES:
-        (folder / f"{name}.py").write_text(script_source(name, paths))
+    folder = _scripts(scale, "om-bench-restore-client-")
     server = BenchServer.start()
     state, kept = server.runtime_dir / "state", folder / "state-kept"
     patched_env = server.client_env({"OVERMIND": "1"})

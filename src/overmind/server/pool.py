@@ -434,6 +434,11 @@ class WarmPool:
             logger.info("retiring warm interpreter %d (another imported under the same settings)", interpreter.proc.pid)
             interpreter.retire()
 
+    def _prepare_soon(self, context: Context, env: dict) -> None:
+        """``prepare`` in the background, for the next run after one that was refused (``env``: its own)."""
+        threading.Thread(target=self.prepare, args=(context,), kwargs={"env": env}, daemon=True,
+                         name="overmind-prepare").start()
+
     def fork_run(self, context: Context, spec: RunSpec, fds: list[int]) -> int:
         """Fork a run from the context's ready interpreter; its pid, or RunRefused (and one is
         made ready for next time)."""
@@ -442,8 +447,7 @@ class WarmPool:
         interpreter = self._interpreter(context, create=False)
         if interpreter is None or not interpreter.ready:
             if interpreter is None:
-                threading.Thread(target=self.prepare, args=(context,), kwargs={"env": spec.env}, daemon=True,
-                                 name="overmind-prepare").start()
+                self._prepare_soon(context, spec.env)
             raise RunRefused("no warm interpreter for this context yet; one is starting")
         try:
             return interpreter.fork_run(spec, fds)
@@ -452,15 +456,13 @@ class WarmPool:
                 self._rekey(base.lineage)
                 again = self.lessons.with_reads(base, spec.env)
                 if self._interpreter(again, create=False) is None:
-                    threading.Thread(target=self.prepare, args=(again,), kwargs={"env": spec.env}, daemon=True,
-                                     name="overmind-prepare").start()
+                    self._prepare_soon(again, spec.env)
                 raise RunRefused(f"{err.message} (Note [Settings an import read]); an interpreter imported "
                                  "under this run's environment is starting") from None
             if err.code != P.ErrorCode.NOT_FORKABLE:
                 raise RunRefused(err.message) from None
             self._retire(interpreter, err.message)
-            threading.Thread(target=self.prepare, args=(context,), kwargs={"env": spec.env}, daemon=True,
-                             name="overmind-prepare").start()
+            self._prepare_soon(context, spec.env)
             raise RunRefused(f"the warm interpreter cannot fork ({err.message}); a fresh one is starting") from None
         except (OSError, EOFError, P.ProtocolError) as err:
             self._retire(interpreter, str(err))
