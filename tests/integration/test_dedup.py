@@ -149,7 +149,8 @@ def test_controlnet_from_unet_references_the_unets_segments(server, models, tmp_
     assert controlnet["refs"] == [unet_entry["key"]]
     # Down and mid blocks are copies of the UNet's: stored once, in the UNet's segments.
     assert controlnet["meta"]["deduplicated"] == result["copied"]
-    assert controlnet["bytes_shared"] == unet_entry["bytes_shared"] == unet_entry["bytes"]
+    # (the UNet's weights are its file's pages, its small storages a memfd of its own)
+    assert controlnet["bytes_shared"] == unet_entry["bytes_shared"] >= result["copied"]
     assert last_json(server.run(code, env=env)) == result  # and a hit equals a plain build
 
 

@@ -64,6 +64,30 @@ host (``page_reporting``), so each fresh huge page costs ~3-6 ms of first touch 
 hypervisor. Collapsing afterwards pays that too (~0.3-1.2 GB/s), but behind a
 published entry and at idle priority, so the cold load fills at the ``pwrite`` rate
 and warm loads get huge pages once it is done.
+
+Note [File-backed segments]
+A model loaded from safetensors leaves its weights in the file's own mapping: the storages
+of a plain ``from_pretrained`` are views of the file's pages in the page cache (the seed's
+ControlNet pipeline: all but 616 of its 3.58 GB). A loader therefore hands the server the
+model *file* as the segment of such storages (``overmind.warm.file_backed``), at the
+storage's offset in the file, instead of copying its bytes into a new memfd. The entry
+costs no fresh memory and is ready as soon as the loader has loaded: on this machine,
+a guest whose fresh memory fills at 0.4 GB/s, copying 3.58 GB took 9 core-seconds, longer
+than the run that started it (Note [Joining a fill] in ``overmind.server.cold_loads``).
+What this gives up, and how it is held:
+
+- A file is not sealed. Its entry's key holds the file's fingerprint (size, mtime, ctime,
+  inode), so a file changed in place or replaced is a miss for every later load, and the
+  server retires an entry whose file segment's ``fstat`` no longer matches what the loader
+  saw before it serves a hit. A process that mapped it earlier sees a later in-place
+  rewrite as a plain ``from_pretrained`` would (it maps the same pages).
+- Only the owner of the bytes gets in: a client opens a file segment through
+  ``/proc/<server>/fd/<n>``, which the kernel allows only where the caller may read the file
+  itself, and checks it is that inode (DESIGN invariant 7), as for a memfd.
+- Mappings stay ``MAP_PRIVATE``: a write copies the page, the file is never written.
+- The pages are the page cache's: another workload can evict them, and the next hit reads
+  them from disk as plain python would. The server copies a file segment into a sealed
+  memfd when it is idle (Note [Settling file segments] in ``overmind.server.settle``).
 """
 
 from __future__ import annotations
@@ -137,6 +161,8 @@ class Segment:
         # Made where the kernel may give huge pages: sealed at whole 2 MiB and collapsed
         # after publishing (Note [Huge pages for segments]).
         self.huge = huge
+        # A model file rather than a memfd: Note [File-backed segments]. Set by check().
+        self.file_backed = False
 
     # -- creation (loader side) -------------------------------------------------
 
@@ -245,8 +271,9 @@ class Segment:
         """
         path = f"/proc/{int(pid)}/fd/{int(fd)}"
         try:
-            # O_RDWR is needed for a writable MAP_PRIVATE mapping; the seals still forbid writes.
-            local = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            # Read-only is enough for a writable MAP_PRIVATE mapping, and all a model file's
+            # reader may have (Note [File-backed segments]).
+            local = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as err:
             raise type(err)(err.errno, f"cannot open segment {name!r} through {path}: {os.strerror(err.errno or 0)}. "
                             "Falling back to SCM_RIGHTS is expected here.") from None
@@ -269,7 +296,8 @@ class Segment:
 
     def check(self, size: int, identity: Optional[tuple[int, int]] = None) -> None:
         """Refuse anything but a sealed memfd of the announced size (a wrong fd would map garbage)
-        and, given ``identity``, anything but that very file."""
+        and, given ``identity``, anything but that very file. Given ``identity``, a regular file
+        that is no memfd is taken as a file-backed segment (Note [File-backed segments])."""
         st = os.fstat(self.fd)
         if identity is not None and (st.st_dev, st.st_ino) != tuple(identity):
             raise Segment.Mismatch(f"fd {self.fd} for segment {self.name!r} is inode {st.st_dev}:{st.st_ino}, "
@@ -279,7 +307,13 @@ class Segment:
         try:
             seals = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
         except OSError as err:
+            if err.errno == errno.EINVAL and identity is not None:
+                self.file_backed = True  # a model file the server named by inode
+                return
             raise ValueError(f"fd {self.fd} for segment {self.name!r} is not a memfd: {os.strerror(err.errno or 0)}") from None
+        if seals == fcntl.F_SEAL_SEAL and identity is not None:
+            self.file_backed = True  # a model file on tmpfs: shmem, but never sealable
+            return
         if seals & SEAL_ALL != SEAL_ALL:
             raise ValueError(f"segment {self.name!r} is not sealed (seals 0x{seals:x}); refusing to map mutable memory")
 

@@ -182,6 +182,10 @@ class ContentStore(Protocol):
         """``(external segment number, offset)`` of a region holding exactly these bytes, not
         returned before to this pack, or None."""
 
+    def in_file(self, address: int, nbytes: int) -> Optional[tuple[int, int]]:
+        """``(external segment number, offset)`` where the ``nbytes`` at ``address`` are a model
+        file's own pages (Note [File-backed segments] in overmind.shared.memfd), or None."""
+
 @dataclass
 class Packed:
     skeleton: bytes
@@ -195,6 +199,7 @@ class Packed:
     # (xxh3-128 hex digest, nbytes, segment, offset) of every hashed storage, written or found.
     contents: list = field(default_factory=list)
     deduplicated: int = 0  # bytes found in a ContentStore instead of written
+    from_files: int = 0  # bytes left in their model files: Note [File-backed segments] in overmind.shared.memfd
 
     def map_private(self) -> list[Optional[mmap.mmap]]:
         """Map every new segment copy-on-write (for tests and in-process use)."""
@@ -313,6 +318,7 @@ class _Tables:
         self.progress = progress
         self.contents: list[tuple[str, int, int, int]] = []
         self.deduplicated = 0
+        self.from_files = 0
         self.references = references or {}
         self.writers = [_SegmentWriter(f"{name}.{i}", progress) for i in range(max(1, writers))]
         self.storages: list[StorageRef] = []
@@ -361,6 +367,14 @@ class _Tables:
     def _write(self, source: torch.UntypedStorage, nbytes: int) -> tuple[int, int]:
         if nbytes == 0:
             return 0, 0
+        # Small storages are copied: a file segment for a few of them would hold the whole file.
+        in_file = getattr(self.store, "in_file", None) if nbytes >= DEDUP_MIN_BYTES else None
+        found = in_file(source.data_ptr(), nbytes) if in_file is not None else None
+        if found is not None:  # Note [File-backed segments] in overmind.shared.memfd
+            self.from_files += nbytes
+            if self.progress is not None:
+                self.progress(nbytes)
+            return len(self.writers) + found[0], found[1]
         number = min(range(len(self.writers)), key=lambda i: self.writers[i].end)
         writer = self.writers[number]
         offset = writer.reserve(nbytes, source.data_ptr())
@@ -493,7 +507,7 @@ def pack(obj, name: str = "overmind", store: Optional[ContentStore] = None, writ
     )
     tensors = sum(1 for o in tables.objects if type(o) is TensorRef)
     return Packed(skeleton, segments, tables.written, len(tables.storages), tensors, used, tables.contents,
-                  tables.deduplicated)
+                  tables.deduplicated, tables.from_files)
 
 
 def _build_storages(storages: list, views: Sequence[Optional[memoryview]], map_location) -> list:

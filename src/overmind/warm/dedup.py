@@ -28,6 +28,7 @@ import xxhash
 
 from overmind.shared import protocol as P
 from overmind.shared.memfd import Segment
+from overmind.warm.file_backed import MappedFiles
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ class SegmentContents:
     """A :class:`overmind.shared.reductions.ContentStore` over the server's content index
     (``Registry.content_index`` and the server's pid, as ``LoaderJob`` hands them over)."""
 
-    def __init__(self, index: dict, server_pid: int) -> None:
+    def __init__(self, index: dict, server_pid: int, files: Optional[MappedFiles] = None) -> None:
         self._server_pid = server_pid
+        self._files = files
         self._index: dict[tuple[bytes, int], list[tuple[int, int, int, int]]] = {}
         self._keys: list[str] = []
         self._handles: list[list] = []
@@ -76,6 +78,24 @@ class SegmentContents:
             self._used.add((number, offset))
             return number, offset
         return None
+
+    def in_file(self, address: int, nbytes: int) -> Optional[tuple[int, int]]:
+        """Where a storage is a model file's own pages, that file as one more segment of this
+        store (Note [File-backed segments] in overmind.shared.memfd)."""
+        if self._files is None or len(self.fds) >= MAX_SEGMENTS:
+            return None
+        found = self._files.locate(address, nbytes)
+        if found is None:
+            return None
+        fd, size, dev, ino, offset = found
+        number = self._numbers.get((dev, ino))
+        if number is None:
+            number = len(self.fds)
+            self.fds.append(os.dup(fd))
+            self.sizes.append(size)
+            self._views.append(mmap.mmap(self.fds[-1], size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ))
+            self._numbers[(dev, ino)] = number
+        return number, offset
 
     def _segment(self, holder: int, dev: int, ino: int) -> Optional[int]:
         """This store's number for segment (dev, ino), opened through the holding entry's handle."""

@@ -253,6 +253,7 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         from overmind.shared import callstate, quirks
         from overmind.shared.calls import decode_call
         from overmind.warm.dedup import SegmentContents
+        from overmind.warm.file_backed import MappedFiles
         from overmind.shared.reductions import pack
         from overmind.shared.replay import Recorder
 
@@ -290,7 +291,8 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         quirks.prepare_for_pickle(result)
         # Arguments handed back unchanged travel as references: the client puts its own object there.
         references = {id(obj): key for key, obj in refs.items() if _state_of(obj) == before[key]}
-        store = SegmentContents(handed.index, handed.index.get("server_pid", 0))
+        mapped_files = MappedFiles(files)  # Note [File-backed segments] in overmind.shared.memfd
+        store = SegmentContents(handed.index, handed.index.get("server_pid", 0), mapped_files)
         handed_back: set = set()  # their storages are not packed again: the client supplies them
         for obj in refs.values():
             if id(obj) in references:
