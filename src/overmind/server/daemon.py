@@ -41,6 +41,7 @@ from overmind.server.pool import WarmPool, LoadFailure, RunRefused, context_from
 from overmind.server.programs import ProgramHistory
 from overmind.server.registry import Registry
 from overmind.server.restore import Restore
+from overmind.server.settle import Settler
 from overmind.server.state import StateKeeper
 from overmind.shared.packages import packages_from_wire
 
@@ -101,6 +102,7 @@ class Server:
         self.state = StateKeeper(config, self.registry, self.pool, self.history, self.loads.plain_seconds_of)
         self.loads.on_cached = self.state.record
         self.restore = Restore(config, self.registry, self.loads, self.state, self.stopping)
+        self.settler = Settler(self.registry, config.settle_after, self.stopping)  # Note [Settling file segments]
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 
@@ -131,6 +133,7 @@ class Server:
         # Only now, holding the instance lock: one server per runtime directory, so one writer per state file.
         state = self.state.open(ColdLoads.check_request, context_from_wire, ColdLoads.check_modules)
         threading.Thread(target=self.state.run, args=(self.stopping,), daemon=True, name="overmind-state").start()
+        threading.Thread(target=self.settler.run, daemon=True, name="overmind-settle").start()
         self.restore.start(state)
 
     def _bind(self) -> None:
@@ -266,6 +269,7 @@ class Server:
                                                             frame_timeout=FRAME_TIMEOUT)
                     except socket.timeout:
                         return  # idle: the client reconnects when it needs us again
+                    self.settler.touch()
                     if not isinstance(message, P.Run):
                         P.close_fds(fds)  # only a run brings fds: its stdio
                         fds = []
@@ -361,6 +365,8 @@ class Server:
         info["loaders"] = self.pool.describe()
         info["settling"] = self.pool.settling()  # Note [Huge pages for segments] in overmind.shared.memfd
         info.update(self.loads.counters())  # Note [Joining a fill] in overmind.server.cold_loads
+        info["file_segments"] = {"bytes": self.registry.file_bytes(), "settled": self.settler.settled,  # Note [Settling file segments]
+                                 "settled_bytes": self.settler.settled_bytes, "copying": self.settler.copying}
         info["restore"] = self.restore.describe()  # Note [Restore after a restart] in overmind.server.restore
         info["ready"] = info["restore"]["ready"]
         info["state"] = self.state.describe()

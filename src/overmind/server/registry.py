@@ -35,6 +35,7 @@ server bounded memory.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -103,6 +104,7 @@ class CacheEntry:
     contents: list = field(default_factory=list)  # [[digest hex, nbytes, slot, offset]]: Note [Content index]
     segments: list = field(default_factory=list)  # [(dev, ino, size)] of live slots: Note [Memory is counted per segment]
     slot_ids: list = field(default_factory=list)  # (dev, ino) per slot, None for an empty slot
+    files: set = field(default_factory=set)  # (dev, ino) of slots that are model files: Note [File-backed segments]
 
     def __post_init__(self) -> None:
         self.contents = [c for c in self.contents if isinstance(c, list) and len(c) == 4 and isinstance(c[0], str)
@@ -114,6 +116,8 @@ class CacheEntry:
             st = os.fstat(slot[0])
             self.segments.append((st.st_dev, st.st_ino, st.st_size))
             self.slot_ids.append((st.st_dev, st.st_ino))
+            if not _sealed_memfd(slot[0]):  # Note [File-backed segments] in overmind.shared.memfd
+                self.files.add((st.st_dev, st.st_ino))
 
     def handles(self) -> list:
         """Per slot ``[server fd, size, st_dev, st_ino]`` or None: what a client needs to open each
@@ -136,6 +140,16 @@ class CacheEntry:
         fingerprint cannot see] in overmind.shared.calls). A record of another shape is from a loader
         that is not ours: stale, so the call loads again rather than trusting it."""
         return files_unchanged(self.meta.files)
+
+
+def _sealed_memfd(fd: int) -> bool:
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEAL_ALL == _SEAL_ALL
+    except OSError:  # EINVAL: a regular file, no memfd
+        return False
+
+
+_SEAL_ALL = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def files_unchanged(records) -> bool:
@@ -321,6 +335,49 @@ class Registry:
                 return None
             live = [s for s in entry.slots if s is not None]
             return [s[1] for s in live], [os.dup(s[0]) for s in live]
+
+    def file_segments(self, skip: set = frozenset()) -> list[tuple[tuple[int, int], int, int]]:
+        """``((dev, ino), size, fd duplicate)`` of every file segment, the most recently used
+        entry's first (Note [Settling file segments] in overmind.server.settle). The caller
+        closes the fds."""
+        found: dict = {}
+        with self._lock:
+            for entry in sorted(self._entries.values(), key=lambda e: e.last_used, reverse=True):
+                for slot, ident in zip(entry.slots, entry.slot_ids):
+                    if slot is not None and ident in entry.files and ident not in skip and ident not in found:
+                        found[ident] = (ident, slot[1], os.dup(slot[0]))
+        return list(found.values())
+
+    def replace_segment(self, ident: tuple[int, int], fd: int, size: int) -> int:
+        """Every slot that holds segment ``ident`` holds a duplicate of ``fd`` (the same bytes, in
+        a sealed memfd of ``size`` bytes) from now on; the fds it held are closed. Returns how
+        many entries changed. A client that was answered with the old handles finds them gone and
+        asks again (SegmentChanged)."""
+        st = os.fstat(fd)
+        new = (st.st_dev, st.st_ino)
+        replaced, changed = [], 0
+        with self._lock:
+            for entry in self._entries.values():
+                if ident not in entry.files:
+                    continue
+                for i, slot in enumerate(entry.slots):
+                    if slot is not None and entry.slot_ids[i] == ident:
+                        replaced.append(slot[0])
+                        entry.slots[i] = [os.dup(fd), size]
+                        entry.slot_ids[i] = new
+                entry.segments = [(st.st_dev, st.st_ino, size) if (d, n) == ident else (d, n, sz)
+                                  for d, n, sz in entry.segments]
+                entry.files.discard(ident)
+                changed += 1
+        for old in replaced:
+            os.close(old)
+        return changed
+
+    def file_bytes(self) -> int:
+        """Bytes of the distinct file segments still served from the page cache."""
+        with self._lock:
+            return sum(size for (dev, ino), (size, _) in self._holders().items()
+                       if any((dev, ino) in e.files for e in self._entries.values()))
 
     # -- membership ------------------------------------------------------------------------
 

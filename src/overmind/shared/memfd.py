@@ -102,7 +102,8 @@ from typing import Optional
 
 from overmind.shared.hugepages import ALLOWING, read_setting
 
-__all__ = ["Segment", "SEAL_ALL", "ALIGNMENT", "HUGE_PAGE", "align_up", "buffer_at", "huge_pages_possible"]
+__all__ = ["Segment", "SEAL_ALL", "ALIGNMENT", "HUGE_PAGE", "align_up", "buffer_at", "cached_share",
+           "huge_pages_possible"]
 
 SEAL_ALL = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # Storage offsets are page aligned so every tensor starts where the kernel maps a page.
@@ -114,6 +115,31 @@ _MAX_WRITE = 1 << 30
 # madvise(2) advice that rebuilds a range out of huge pages (Linux 6.1); Python names it only
 # where its headers did.
 MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
+
+
+_SYS_CACHESTAT = 451  # Linux 6.5, the same number on every architecture
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+def cached_share(fd: int, size: int) -> Optional[float]:
+    """The share of the file ``fd``'s ``size`` bytes in the page cache (``cachestat``, Linux
+    6.5), or None where the kernel cannot say."""
+    if size <= 0:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    found = _Cachestat()
+    if libc.syscall(_SYS_CACHESTAT, ctypes.c_uint(fd), ctypes.byref(_CachestatRange(0, size)),
+                    ctypes.byref(found), ctypes.c_uint(0)) != 0:
+        return None
+    return min(1.0, found.nr_cache * mmap.PAGESIZE / size)
 
 
 def align_up(value: int, alignment: int = ALIGNMENT) -> int:
@@ -199,6 +225,24 @@ class Segment:
                 raise _oserror(err, f"pwrite at offset {offset + done}", self.name, hint) from None
             if n <= 0:
                 raise OSError(errno.EIO, f"short write into segment {self.name!r} at offset {offset + done}")
+            done += n
+
+    def copy_from(self, source_fd: int, offset: int, nbytes: int) -> None:
+        """Copy ``nbytes`` of the file ``source_fd`` at ``offset`` to the same offset here, in
+        the kernel (``sendfile``: no pass through user memory). Sequential calls only: it writes
+        at the segment's file position, which each call moves on."""
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"copy of {nbytes} bytes at offset {offset} is outside segment {self.name!r} of {self.size} bytes")
+        if os.lseek(self.fd, 0, os.SEEK_CUR) != offset:
+            os.lseek(self.fd, offset, os.SEEK_SET)
+        done = 0
+        while done < nbytes:
+            try:
+                n = os.sendfile(self.fd, source_fd, offset + done, min(nbytes - done, _MAX_WRITE))
+            except OSError as err:
+                raise _oserror(err, f"sendfile at offset {offset + done}", self.name, "The machine may be out of memory.") from None
+            if n <= 0:
+                raise OSError(errno.EIO, f"the source of segment {self.name!r} ended at offset {offset + done}")
             done += n
 
     def finish(self, size: int) -> None:

@@ -1,0 +1,132 @@
+"""Copying the model files the server serves from into sealed memory, when it is idle. Stdlib only.
+
+    settler = Settler(registry, idle_after=config.settle_after, stopping=server.stopping)
+    threading.Thread(target=settler.run).start()
+    settler.touch()                      # every request: the machine is in use
+
+Note [Settling file segments]
+An entry whose weights were a model file's own pages is served from that file (Note
+[File-backed segments] in overmind.shared.memfd): ready the moment its loader has loaded, and
+costing no fresh memory while the user's next runs start. But those pages are the page
+cache's: a workload that needs the memory evicts them, and a hit then reads them from disk as
+plain python would, where a sealed memfd would have kept them. So once the server has had no
+request for ``OVERMIND_SETTLE_AFTER`` seconds (5 by default: longer than the gap between a
+script's imports and its loads, so runs back to back are left alone), one thread copies each
+file segment, most recently used entry first, into a new memfd (``sendfile``, at idle CPU
+priority, 32 MiB at a time, pausing whenever a request comes). A file segment of which the
+page cache holds less than 90 % (``cachestat``, looked at every 0.5 s) is copied at once,
+without pausing: its pages are going, and the next hit would read them from disk. Then it
+checks the file did not
+change meanwhile (size, mtime and ctime of the very fd it copied from), seals it and puts it
+in every slot that held the file. Clients answered before the swap find the old handle gone
+and ask again; mappings made before keep the file's pages.
+
+Why not copy at once, as fills did: on this machine fresh memory fills at 0.4 GB/s per core
+(``benchmarks/fresh_memory.py``), so the seed's 3.58 GB take 9 core-seconds, and whatever of
+that runs beside the user's next run slows it by 6-8 %, as any busy process would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Optional
+
+from overmind.server.registry import Registry
+from overmind.shared.memfd import Segment, cached_share
+from overmind.shared.priority import to_idle
+
+logger = logging.getLogger("overmind.server.settle")
+
+__all__ = ["Settler", "CHUNK"]
+
+CHUNK = 32 << 20  # bytes copied between looks at whether a request came
+_POLL = 0.5  # seconds between looks for work
+# A file segment with less of it in the page cache is copied at once, idle or not.
+RESIDENT = 0.9
+
+
+def _evicted(fd: int, size: int) -> bool:
+    share = cached_share(fd, size)
+    return share is not None and share < RESIDENT  # None: the kernel cannot say, so only idleness counts
+
+
+class Settler:
+    """The one thread that settles file segments (Note [Settling file segments])."""
+
+    def __init__(self, registry: Registry, idle_after: float, stopping: threading.Event) -> None:
+        self.registry = registry
+        self.idle_after = idle_after
+        self.stopping = stopping
+        self._last_request = time.monotonic()
+        self.settled = 0  # file segments copied and swapped in
+        self.settled_bytes = 0
+        self.copying: Optional[tuple[int, int]] = None  # (bytes done, size) of the copy under way
+        self._given_up: set = set()  # segments that changed or failed: left to the page cache
+
+    def touch(self) -> None:
+        self._last_request = time.monotonic()
+
+    def _wait_idle(self) -> bool:
+        """Block until no request came for ``idle_after`` seconds; False once the server stops."""
+        while not self.stopping.is_set():
+            quiet = time.monotonic() - self._last_request
+            if quiet >= self.idle_after:
+                return True
+            self.stopping.wait(max(self.idle_after - quiet, 0.05))
+        return False
+
+    def run(self) -> None:
+        try:
+            to_idle(threading.get_native_id())
+        except OSError:
+            pass  # normal priority: still only when idle or evicted
+        while not self.stopping.wait(_POLL):
+            segments = self.registry.file_segments(skip=self._given_up)
+            try:
+                evicted = [s for s in segments if _evicted(s[2], s[1])]
+                quiet = time.monotonic() - self._last_request >= self.idle_after
+                chosen = evicted[0] if evicted else segments[0] if segments and quiet else None
+                if chosen is not None:
+                    self._settle_one(*chosen, pause=not evicted)
+            finally:
+                for _, _, fd in segments:
+                    os.close(fd)
+
+    def _settle_one(self, ident: tuple[int, int], size: int, source: int, pause: bool) -> None:
+        try:
+            if not self._settle(ident, size, source, pause):
+                self._given_up.add(ident)
+        except Exception:  # a file that cannot be copied stays served from the page cache
+            logger.exception("copying file segment %d:%d into memory failed", *ident)
+            self._given_up.add(ident)
+        finally:
+            self.copying = None
+
+    def _settle(self, ident: tuple[int, int], size: int, source: int, pause: bool) -> bool:
+        """Copy, check, seal and swap in one file segment; False if the file changed meanwhile."""
+        before = os.fstat(source)
+        started = time.monotonic()
+        with Segment.create(f"settled.{ident[1]}", size) as segment:
+            done = 0
+            while done < size:
+                if self.stopping.is_set() or (pause and not self._wait_idle()):
+                    return True  # stopping
+                n = min(CHUNK, size - done)
+                segment.copy_from(source, done, n)
+                done += n
+                self.copying = (done, size)
+            after = os.fstat(source)
+            if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (before.st_size, before.st_mtime_ns,
+                                                                         before.st_ctime_ns):
+                logger.info("file segment %d:%d changed while copied; its entries will be stale", *ident)
+                return False
+            segment.seal()
+            entries = self.registry.replace_segment(ident, segment.fd, size)
+        self.settled += 1
+        self.settled_bytes += size
+        logger.info("settled file segment %d:%d (%d bytes) into sealed memory for %d entries in %.1fs",
+                    ident[0], ident[1], size, entries, time.monotonic() - started)
+        return True

@@ -1,0 +1,121 @@
+"""File-backed segments: a hit maps the model file's own pages until the server settles them
+into sealed memory (Notes [File-backed segments] in overmind.shared.memfd and [Settling file
+segments] in overmind.server.settle)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import torch
+from safetensors.torch import save
+
+from .conftest import ServerProcess, last_json
+
+LOAD_AND_LOOK = """
+import json, overmind.api
+overmind.api.monkey_patch_all()
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+path = {path!r}
+model = AutoModelForCausalLM.from_pretrained(path)
+with safe_open(path + "/model.safetensors", "pt") as f:
+    equal = all(model.state_dict()[k].equal(f.get_tensor(k)) for k in f.keys())
+maps = open("/proc/self/maps").read()
+print(json.dumps({{"equal": equal, "maps_file": path + "/model.safetensors" in maps, "hit": overmind.api.cache_key_of(model) is not None}}))
+"""
+
+
+def _status_until(server: ServerProcess, done, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = server.status()
+        if done(status) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.2)
+
+
+def test_a_hit_maps_the_model_file_and_equals_it(runtime_dir, models):
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600"})
+    try:
+        code = LOAD_AND_LOOK.format(path=str(models["lm"]))
+        first = last_json(server.run(code, env=server.client_env(OVERMIND_STRICT="1")))
+        assert first["equal"] and first["maps_file"], first
+        status = server.wait_idle()
+        assert status["file_segments"]["bytes"] >= os.path.getsize(models["lm"] / "model.safetensors")
+        assert status["file_segments"]["settled"] == 0
+        second = last_json(server.run(code))
+        assert second == {"equal": True, "maps_file": True, "hit": True}
+    finally:
+        server.stop()
+
+
+def test_an_idle_server_settles_file_segments_into_sealed_memory(runtime_dir, models):
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "0.5"})
+    try:
+        code = LOAD_AND_LOOK.format(path=str(models["lm"]))
+        last_json(server.run(code, env=server.client_env(OVERMIND_STRICT="1")))
+        status = _status_until(server, lambda s: s["file_segments"]["bytes"] == 0)
+        assert status["file_segments"]["bytes"] == 0 and status["file_segments"]["settled"] >= 1, status
+        after = last_json(server.run(code))
+        # the same weights, now from a sealed memfd: the model file is no longer mapped
+        assert after == {"equal": True, "maps_file": False, "hit": True}
+    finally:
+        server.stop()
+
+
+def test_a_file_segment_the_page_cache_lost_is_settled_at_once(runtime_dir, models):
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600"})
+    try:
+        code = LOAD_AND_LOOK.format(path=str(models["lm"]))
+        last_json(server.run(code, env=server.client_env(OVERMIND_STRICT="1")))
+        assert server.wait_idle()["file_segments"]["settled"] == 0
+        fd = os.open(models["lm"] / "model.safetensors", os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages stay cached: the models were written by this session
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # what another workload's memory needs do
+        finally:
+            os.close(fd)
+        status = _status_until(server, lambda s: s["file_segments"]["settled"] >= 1)
+        assert status["file_segments"]["settled"] >= 1 and status["file_segments"]["bytes"] == 0, (status["file_segments"], server.log()[-3000:])
+        assert last_json(server.run(code)) == {"equal": True, "maps_file": False, "hit": True}
+    finally:
+        server.stop()
+
+
+REWRITE_IN_PLACE = """
+import hashlib, json, os, overmind.api
+overmind.api.monkey_patch_all()
+import safetensors.torch
+state = safetensors.torch.load_file({path!r})
+print(json.dumps(hashlib.sha256(state["w"].numpy().tobytes()).hexdigest()))
+"""
+
+
+def _write_in_place(path, version: int) -> str:
+    """Rewrite ``path`` in place (same inode, same size), its mtime put back to the old one."""
+    weights = torch.randn(512, 512, generator=torch.Generator().manual_seed(version))  # 1 MiB: file-backed
+    old = os.stat(path) if os.path.exists(path) else None
+    with open(path, "r+b" if old else "wb") as f:  # not save_file: it writes a new inode
+        f.write(save({"w": weights}))
+    stamp = (old.st_atime, old.st_mtime) if old else (time.time() - 1000,) * 2
+    os.utime(path, stamp)
+    return hashlib.sha256(weights.numpy().tobytes()).hexdigest()
+
+
+def test_a_model_file_rewritten_in_place_is_never_served_from_its_old_entry(runtime_dir, tmp_path):
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600"})
+    try:
+        path = str(tmp_path / "w.safetensors")
+        first = _write_in_place(path, 1)
+        code = REWRITE_IN_PLACE.format(path=path)
+        env = server.client_env(OVERMIND_STRICT="1")
+        assert last_json(server.run(code, env=env)) == first
+        assert last_json(server.run(code, env=env)) == first
+        inode = os.stat(path).st_ino
+        second = _write_in_place(path, 2)
+        assert os.stat(path).st_ino == inode
+        assert last_json(server.run(code, env=env)) == second
+    finally:
+        server.stop()
