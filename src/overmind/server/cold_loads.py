@@ -70,12 +70,14 @@ MAX_PLAIN_SECONDS = 1024  # keys whose plain load time we remember
 # plainly after all, so a wrong guess costs at most one extra plain load's time, and a fill
 # nobody joins still ends within its own bounds.
 #
-# What this cannot fix, measured on this machine (benchmarks/fresh_memory.py): a fill writes
-# its result into memory the kernel must hand out fresh, and on a guest that reports free
-# memory back to its host (virtio-balloon free page reporting) fresh memory past the last
-# 1.5-3.5 GB freed is filled at 0.4 GB/s instead of 2.4 GB/s, so the seed's 1.97 GB pipeline
-# takes 3-5 s to fill, longer than its 0.5 s plain load, and a run that comes sooner loads it
-# plainly.
+# A fill that writes its result into memory the kernel must hand out fresh is slow where
+# fresh memory is (benchmarks/fresh_memory.py: a guest that reports free memory back to its
+# host fills it at 0.4 GB/s instead of 2.4 GB/s past the last 1.5-3.5 GB freed): the seed's
+# 1.97 GB pipeline took 3-5 s, longer than its 0.5 s plain load, and runs that came sooner
+# loaded it plainly. Weights that are a model file's own pages are therefore not written at
+# all: the file is their segment (Note [File-backed segments] in overmind.shared.memfd), and
+# they are copied into sealed memory only when the server is idle (Note [Settling file
+# segments] in overmind.server.settle).
 
 
 def reply_error(conn: socket.socket, code: int, message: str, tb: str = "") -> None:

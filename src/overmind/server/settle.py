@@ -123,8 +123,9 @@ class Settler:
                                                                          before.st_ctime_ns):
                 logger.info("file segment %d:%d changed while copied; its entries will be stale", *ident)
                 return False
-            segment.seal()
-            entries = self.registry.replace_segment(ident, segment.fd, size)
+            segment.finish(size)  # sealed; at whole huge pages where they are possible
+            entries = self.registry.replace_segment(ident, segment.fd, segment.size)
+            segment.collapse_to_huge_pages()  # Note [Huge pages for segments] in overmind.shared.memfd
         self.settled += 1
         self.settled_bytes += size
         logger.info("settled file segment %d:%d (%d bytes) into sealed memory for %d entries in %.1fs",
