@@ -65,6 +65,17 @@ class ServerProcess:
                 return status
             time.sleep(0.1)
 
+    def wait_settled(self, timeout: float = 180.0) -> dict:
+        """Wait until idle and every file segment is copied into sealed memory (a server started
+        with OVERMIND_SETTLE_AFTER=0: Note [Settling file segments] in overmind.server.settle)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.wait_idle(timeout)
+            files = status["file_segments"]
+            if (files["bytes"] == 0 and files["copying"] is None) or time.monotonic() > deadline:
+                return status
+            time.sleep(0.1)
+
     def log(self) -> str:
         try:
             return (self.runtime_dir / "server.log").read_text()

@@ -26,7 +26,8 @@ if PATCHED:
 import torch
 
 def served_from_cache(model):
-    """True when the model's first weight lives in an overmind segment (a memfd mapping)."""
+    """True when the model's first weight lives in an overmind segment (a memfd mapping: the
+    server settles its file segments at once, OVERMIND_SETTLE_AFTER=0)."""
     tensor = next(iter(model.parameters())) if hasattr(model, "parameters") else next(iter(model.values()))
     ptr = tensor.untyped_storage().data_ptr()
     with open("/proc/self/maps") as maps:
@@ -188,7 +189,8 @@ def runs(tmp_path_factory, models):
     age_files(root)
     runtime = tempfile.mkdtemp(prefix="om-", dir="/tmp")  # short: AF_UNIX paths are limited to 108 bytes
     pythonpath = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-    server = ServerProcess(Path(runtime), {"PYTHONPATH": pythonpath, "OVERMIND_PATCH": "mylib::load,mylib::load_noisy"})
+    server = ServerProcess(Path(runtime), {"PYTHONPATH": pythonpath, "OVERMIND_PATCH": "mylib::load,mylib::load_noisy",
+                                           "OVERMIND_SETTLE_AFTER": "0"})
     try:
         outs = {}
         for run in ("plain", "fill", "fill again", "hit"):
@@ -197,7 +199,7 @@ def runs(tmp_path_factory, models):
                                    str(root / "w.pt")], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
             assert proc.returncode == 0, f"{run}: {proc.stderr[-4000:]}"
             outs[run] = last_json(proc)
-            server.wait_idle()
+            server.wait_settled()
         outs["entries"] = json.loads(server.cli("list", "--json").stdout)
         yield outs
     finally:
@@ -291,17 +293,29 @@ print(json.dumps(out))
 """
 
 
-def test_numpys_generator_after_a_hit_starts_from_fresh_entropy_and_the_key_ignores_its_import(server, models):
+@pytest.fixture
+def settling_server(runtime_dir):
+    """A server that settles file segments at once, so hits map memfds (served_from_cache)."""
+    from .conftest import ServerProcess
+
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "0"})
+    yield server
+    server.stop()
+
+
+def test_numpys_generator_after_a_hit_starts_from_fresh_entropy_and_the_key_ignores_its_import(settling_server, models):
     import subprocess
     import sys
 
     from ..conftest import REPO
 
+    server = settling_server
+
     def run(order: str) -> dict:
         proc = subprocess.run([sys.executable, "-c", NUMPY_SCRIPT, "patched", str(models["lm"]), order],
                               capture_output=True, text=True, env=server.client_env(), timeout=300, cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        server.wait_idle()
+        server.wait_settled()
         return last_json(proc)
 
     fill = run("numpy after")
