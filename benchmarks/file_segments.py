@@ -50,7 +50,7 @@ def main() -> None:
     base["HF_HUB_OFFLINE"] = "1"
     servers = {}
     try:
-        for name, settle in (("memfd", "0"), ("file", "")):
+        for name, settle in (("memfd", "0"), ("file", "")):  # "": never settle when idle
             runtime = tempfile.mkdtemp(prefix="om-", dir="/tmp")
             env = {**base, "OVERMIND_RUNTIME_DIR": runtime, "OVERMIND_SETTLE_AFTER": settle, "OVERMIND": "1",
                    "OVERMIND_NO_AUTOSTART": "1"}

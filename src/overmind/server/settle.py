@@ -1,25 +1,29 @@
 """Copying the model files the server serves from into sealed memory, when it is idle. Stdlib only.
 
-    settler = Settler(registry, idle_after=config.settle_after, stopping=server.stopping)  # None: never when idle
+    settler = Settler(registry, idle_after=config.settle_after, stopping=server.stopping)
     threading.Thread(target=settler.run).start()
     settler.touch()                      # every request: the machine is in use
 
 Note [Settling file segments]
 An entry whose weights were a model file's own pages is served from that file (Note
 [File-backed segments] in overmind.shared.memfd): ready the moment its loader has loaded, and
-costing no fresh memory while the user's next runs start. While the page cache holds the
-file, that is also the faster hit and the smaller footprint: the pages are shared with every
-plain load of the same file, and a sealed copy would hold them twice. Measured here (the seed's
-ControlNet script with ``monkey_patch_all()``, page cache warm, 5 pairs interleaved): 5.51 s
-served from the files, 5.71 s from sealed memfds, 6.80 s plain.
+costing no fresh memory while the user's next runs start. While the page cache holds the file,
+a hit from it costs what a hit from a sealed memfd does (``benchmarks/file_segments.py``, the
+seed's ControlNet script with ``monkey_patch_all()``, 5 interleaved triples, twice: 5.51 and
+5.95 s from the files, 5.71 and 5.75 s from memfds, 6.80 and 6.97 s plain).
 
-But the page cache can lose them (a workload that needs the memory), and a hit then reads them
-from disk as plain python would, where a sealed memfd would have kept them. So one thread looks
-every 0.5 s at how much of each file segment the page cache holds (``cachestat``), and copies
-one of which it holds less than 90 % into a new memfd at once (``sendfile``, at idle CPU
-priority, 32 MiB at a time). With ``OVERMIND_SETTLE_AFTER`` set, it also copies every file
-segment, most recently used entry first, once the server had no request for that many seconds,
-pausing whenever a request comes (``0``: at once, which the tests use to see hits in memfds).
+But those pages are the page cache's: a workload that needs the memory evicts them, and a hit
+then reads them from disk as plain python would, where a sealed memfd would have kept them. So
+one thread copies file segments into new memfds (``sendfile``, at idle CPU priority, 32 MiB at
+a time):
+
+- once the server had no request for ``OVERMIND_SETTLE_AFTER`` seconds (5 by default: longer
+  than the gap between a script's start and its loads, so runs back to back are left alone;
+  set empty: never), every file segment, most recently used entry first, pausing whenever a
+  request comes (``0``: at once, which the tests use to see hits in memfds);
+- at once, without pausing, one of which the page cache holds less than 90 % (``cachestat``,
+  looked at every 0.5 s): its pages are going, and the next hit would read them from disk.
+
 After the copy it checks the file did not change meanwhile (size, mtime and ctime of the very
 fd it copied from), seals the memfd and puts it in every slot that held the file. Clients
 answered before the swap find the old handle gone and ask again; mappings made before keep
@@ -28,9 +32,9 @@ the file's pages.
 Why not copy at once, as fills did: on this machine fresh memory fills at 0.4 GB/s per core
 (``benchmarks/fresh_memory.py``), so the seed's 3.58 GB take 9 core-seconds, and that copy
 beside the user's next run slowed it from 0.82 to 1.02 x plain (``overmind-bench --scenarios
-warmup_curve``, run 2). The price: with the page cache emptied between runs, run 2 finds the
-files gone before the copy could start and reads them from disk (0.80-0.83 x plain instead
-of 0.63), run 3 has the sealed copies.
+warmup_curve``, run 2, ``OVERMIND_SETTLE_AFTER=0``). The price: with the page cache emptied
+between runs back to back, run 2 finds the files gone before the copy could start and reads
+them from disk (0.70-0.83 x plain instead of 0.63); run 3 has the sealed copies.
 """
 
 from __future__ import annotations
