@@ -199,7 +199,6 @@ class Packed:
     # (xxh3-128 hex digest, nbytes, segment, offset) of every hashed storage, written or found.
     contents: list = field(default_factory=list)
     deduplicated: int = 0  # bytes found in a ContentStore instead of written
-    from_files: int = 0  # bytes left in their model files: Note [File-backed segments] in overmind.shared.memfd
 
     def map_private(self) -> list[Optional[mmap.mmap]]:
         """Map every new segment copy-on-write (for tests and in-process use)."""
@@ -318,7 +317,6 @@ class _Tables:
         self.progress = progress
         self.contents: list[tuple[str, int, int, int]] = []
         self.deduplicated = 0
-        self.from_files = 0
         self.references = references or {}
         self.writers = [_SegmentWriter(f"{name}.{i}", progress) for i in range(max(1, writers))]
         self.storages: list[StorageRef] = []
@@ -371,7 +369,6 @@ class _Tables:
         in_file = getattr(self.store, "in_file", None) if nbytes >= DEDUP_MIN_BYTES else None
         found = in_file(source.data_ptr(), nbytes) if in_file is not None else None
         if found is not None:  # Note [File-backed segments] in overmind.shared.memfd
-            self.from_files += nbytes
             if self.progress is not None:
                 self.progress(nbytes)
             return len(self.writers) + found[0], found[1]
@@ -507,7 +504,7 @@ def pack(obj, name: str = "overmind", store: Optional[ContentStore] = None, writ
     )
     tensors = sum(1 for o in tables.objects if type(o) is TensorRef)
     return Packed(skeleton, segments, tables.written, len(tables.storages), tensors, used, tables.contents,
-                  tables.deduplicated, tables.from_files)
+                  tables.deduplicated)
 
 
 def _build_storages(storages: list, views: Sequence[Optional[memoryview]], map_location) -> list:
