@@ -4,6 +4,7 @@ segments] in overmind.server.settle)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -36,40 +37,39 @@ def _status_until(server: ServerProcess, done, timeout: float = 60.0) -> dict:
         time.sleep(0.2)
 
 
-def test_a_hit_maps_the_model_file_and_equals_it(runtime_dir, models):
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600"})
+@contextlib.contextmanager
+def _filled(runtime_dir, models, settle_after: str):
+    """A server with ``OVERMIND_SETTLE_AFTER=settle_after`` whose cache holds the LM (the
+    filling run waited for it: its answer is the first hit's), the code that loads it, that answer."""
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": settle_after})
     try:
         code = LOAD_AND_LOOK.format(path=str(models["lm"]))
-        first = last_json(server.run(code, env=server.client_env(OVERMIND_STRICT="1")))
+        yield server, code, last_json(server.run(code, env=server.client_env(OVERMIND_STRICT="1")))
+    finally:
+        server.stop()
+
+
+def test_a_hit_maps_the_model_file_and_equals_it(runtime_dir, models):
+    with _filled(runtime_dir, models, "600") as (server, code, first):
         assert first["equal"] and first["maps_file"], first
         status = server.wait_idle()
         assert status["file_segments"]["bytes"] >= os.path.getsize(models["lm"] / "model.safetensors")
         assert status["file_segments"]["settled"] == 0
         second = last_json(server.run(code))
         assert second == {"equal": True, "maps_file": True, "hit": True}
-    finally:
-        server.stop()
 
 
 def test_an_idle_server_settles_file_segments_into_sealed_memory(runtime_dir, models):
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "0.5"})
-    try:
-        code = LOAD_AND_LOOK.format(path=str(models["lm"]))
-        last_json(server.run(code, env=server.client_env(OVERMIND_STRICT="1")))
+    with _filled(runtime_dir, models, "0.5") as (server, code, _):
         status = _status_until(server, lambda s: s["file_segments"]["bytes"] == 0)
         assert status["file_segments"]["bytes"] == 0 and status["file_segments"]["settled"] >= 1, status
         after = last_json(server.run(code))
         # the same weights, now from a sealed memfd: the model file is no longer mapped
         assert after == {"equal": True, "maps_file": False, "hit": True}
-    finally:
-        server.stop()
 
 
 def test_a_file_segment_the_page_cache_lost_is_settled_at_once(runtime_dir, models):
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600"})
-    try:
-        code = LOAD_AND_LOOK.format(path=str(models["lm"]))
-        last_json(server.run(code, env=server.client_env(OVERMIND_STRICT="1")))
+    with _filled(runtime_dir, models, "600") as (server, code, _):
         assert server.wait_idle()["file_segments"]["settled"] == 0
         fd = os.open(models["lm"] / "model.safetensors", os.O_RDONLY)
         try:
@@ -80,8 +80,6 @@ def test_a_file_segment_the_page_cache_lost_is_settled_at_once(runtime_dir, mode
         status = _status_until(server, lambda s: s["file_segments"]["settled"] >= 1)
         assert status["file_segments"]["settled"] >= 1 and status["file_segments"]["bytes"] == 0, (status["file_segments"], server.log()[-3000:])
         assert last_json(server.run(code)) == {"equal": True, "maps_file": False, "hit": True}
-    finally:
-        server.stop()
 
 
 REWRITE_IN_PLACE = """

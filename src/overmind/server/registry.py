@@ -35,7 +35,6 @@ server bounded memory.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
@@ -46,6 +45,7 @@ from typing import Optional
 
 from overmind.shared import protocol as P
 from overmind.shared.config import memory_total
+from overmind.shared.memfd import is_sealed_memfd
 
 logger = logging.getLogger("overmind.server.registry")
 
@@ -116,7 +116,7 @@ class CacheEntry:
             st = os.fstat(slot[0])
             self.segments.append((st.st_dev, st.st_ino, st.st_size))
             self.slot_ids.append((st.st_dev, st.st_ino))
-            if not _sealed_memfd(slot[0]):  # Note [File-backed segments] in overmind.shared.memfd
+            if not is_sealed_memfd(slot[0]):  # Note [File-backed segments] in overmind.shared.memfd
                 self.files.add((st.st_dev, st.st_ino))
 
     def handles(self) -> list:
@@ -140,16 +140,6 @@ class CacheEntry:
         fingerprint cannot see] in overmind.shared.calls). A record of another shape is from a loader
         that is not ours: stale, so the call loads again rather than trusting it."""
         return files_unchanged(self.meta.files)
-
-
-def _sealed_memfd(fd: int) -> bool:
-    try:
-        return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEAL_ALL == _SEAL_ALL
-    except OSError:  # EINVAL: a regular file, no memfd
-        return False
-
-
-_SEAL_ALL = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def files_unchanged(records) -> bool:

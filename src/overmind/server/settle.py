@@ -87,10 +87,9 @@ class Settler:
         """Block until no request came for ``idle_after`` seconds; False once the server stops."""
         assert self.idle_after is not None
         while not self.stopping.is_set():
-            quiet = time.monotonic() - self._last_request
-            if quiet >= self.idle_after:
+            if self._quiet():
                 return True
-            self.stopping.wait(max(self.idle_after - quiet, 0.05))
+            self.stopping.wait(max(self.idle_after - (time.monotonic() - self._last_request), 0.05))
         return False
 
     def run(self) -> None:

@@ -103,7 +103,7 @@ from typing import Optional
 from overmind.shared.hugepages import ALLOWING, read_setting
 
 __all__ = ["Segment", "SEAL_ALL", "ALIGNMENT", "HUGE_PAGE", "align_up", "buffer_at", "cached_share",
-           "huge_pages_possible"]
+           "huge_pages_possible", "is_sealed_memfd"]
 
 SEAL_ALL = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # Storage offsets are page aligned so every tensor starts where the kernel maps a page.
@@ -140,6 +140,15 @@ def cached_share(fd: int, size: int) -> Optional[float]:
                     ctypes.byref(found), ctypes.c_uint(0)) != 0:
         return None
     return min(1.0, found.nr_cache * mmap.PAGESIZE / size)
+
+
+def is_sealed_memfd(fd: int) -> bool:
+    """Is ``fd`` a memfd with every seal of :data:`SEAL_ALL`? False for a regular file (a file
+    segment: Note [File-backed segments])."""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEAL_ALL == SEAL_ALL
+    except OSError:  # EINVAL: no memfd
+        return False
 
 
 def align_up(value: int, alignment: int = ALIGNMENT) -> int:
