@@ -8,11 +8,13 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from overmind.shared import hugepages
 
 from ..conftest import REPO, age_files, child_env
+from .conftest import ServerProcess
 
 LOAD_UNET = """
 import overmind.api
@@ -162,6 +164,45 @@ def test_shutdown_stops_the_server_and_removes_its_socket(server):
     assert not server.socket_path.exists()
     again = server.cli("shutdown", check=False)  # nothing left to stop: not an error
     assert again.returncode == 0 and "no server running" in again.stderr
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_shutdown_returns_only_once_the_server_process_is_gone(runtime_dir):
+    """The instance lock goes with the process, so a server started right after `overmind
+    shutdown` (a restart) must not find it held. Each try stops the server (SIGSTOP) the moment
+    its socket file is gone, before it could exit; a try where it exited first says nothing."""
+    for _ in range(10):
+        server = ServerProcess(runtime_dir)
+        cli = subprocess.Popen([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=server.env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        try:
+            while server.socket_path.exists():
+                time.sleep(0.0005)
+            os.kill(server.pid, signal.SIGSTOP)
+            if _state(server.pid) != "T":
+                continue  # it exited before it was stopped
+            time.sleep(0.5)
+            assert cli.poll() is None, f"shutdown returned while the server still ran: {cli.communicate()}"
+            os.kill(server.pid, signal.SIGCONT)
+            out, err = cli.communicate(timeout=30)
+            assert cli.returncode == 0, err
+            assert server.proc.poll() == 0  # exited when shutdown returned
+            restarted = ServerProcess(runtime_dir)  # the lock is free at once
+            restarted.stop()
+            return
+        finally:
+            if server.proc.poll() is None:
+                os.kill(server.pid, signal.SIGCONT)
+                server.proc.wait(timeout=30)
+            cli.wait(timeout=30)
+    raise AssertionError("the server exited before it could be stopped in each of 10 tries: nothing was checked")
 
 
 def test_status_without_a_server_exits_3_naming_the_socket_and_still_reports_huge_pages(runtime_dir):

@@ -309,11 +309,17 @@ def cmd_shutdown(conn: Connection, args: argparse.Namespace) -> int:
     conn.simple(P.Shutdown(), P.Ok)
     conn.close()  # an open connection must not keep the server's handler busy
     deadline = time.monotonic() + SHUTDOWN_WAIT
-    # The listener closes first; the socket file goes last, once loaders and entries are released.
-    while time.monotonic() < deadline and (_accepting(str(path)) or (path.exists() and _alive(pid))):
+    # The listener closes first; the socket file goes once loaders and entries are released; the
+    # instance lock (Note [One server per runtime directory]) only when the process is gone, so
+    # wait for that: a server started right after this returns must not find it still held.
+    while time.monotonic() < deadline and (_accepting(str(path)) or _alive(pid)):
         time.sleep(0.05)
     if _accepting(str(path)):
         print(f"overmind: server pid {pid} still accepts connections after {SHUTDOWN_WAIT:.0f}s", file=sys.stderr)
+        return EXIT_FAILED
+    if _alive(pid):
+        print(f"overmind: server pid {pid} stopped serving but has not exited after {SHUTDOWN_WAIT:.0f}s",
+              file=sys.stderr)
         return EXIT_FAILED
     print(f"overmind-server pid {pid} stopped" + (" (socket file still present)" if path.exists() else ""))
     return EXIT_OK
