@@ -8,6 +8,7 @@ Note [Joining a fill] in overmind.server.cold_loads. Real server, real scripts r
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,7 +19,9 @@ import torch
 from safetensors.torch import save_file
 
 from ..conftest import age_files
-from .conftest import last_json
+from overmind.shared.memfd import RESIDENT, cached_share
+
+from .conftest import ServerProcess, last_json
 
 OVERMIND = str(Path(sys.executable).parent / "overmind")
 
@@ -65,6 +68,31 @@ def test_the_next_run_of_a_program_maps_what_it_loaded_before_its_load(server, p
     assert second["prepared"] >= 1 and second["used"] == second["prepared"]
     assert (second["sum"], second["first"]) == (first["sum"], first["first"])
     assert server.status()["hits"] >= 1
+
+
+def test_the_next_run_of_a_program_reads_back_a_model_file_the_page_cache_lost(runtime_dir, program):
+    script, weights = program
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": ""})  # the file stays the segment
+    try:
+        first = _run(server, script, weights)
+        assert server.wait_idle()["file_segments"]["bytes"] == weights.stat().st_size
+        fd = os.open(weights, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # written just now: dirty pages would stay
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # what another workload's memory needs do
+            if cached_share(fd, weights.stat().st_size) is None:
+                pytest.skip("this kernel has no cachestat (Linux 6.5): nothing can tell a lost file")
+            assert cached_share(fd, weights.stat().st_size) < RESIDENT
+            second = _run(server, script, weights, "expect-prefetch")
+            # read back on the prefetch thread (Note [Reading back a lost file]), the hit then equal
+            assert second["read_back"] == weights.stat().st_size and second["used"] >= 1, second
+            assert (second["sum"], second["first"]) == (first["sum"], first["first"])
+            assert cached_share(fd, weights.stat().st_size) >= RESIDENT
+            assert server.status()["file_segments"]["settled"] == 0  # empty: never copied, not even when lost
+        finally:
+            os.close(fd)
+    finally:
+        server.stop()
 
 
 def test_a_prefetched_entry_whose_file_changed_is_never_used(server, program):

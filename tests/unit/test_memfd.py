@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from overmind.shared.memfd import Segment
+from overmind.shared.memfd import RESIDENT, Segment, cached_share
 
 from ..conftest import run_python
 
@@ -63,7 +63,7 @@ def test_private_mapping_is_writable_and_never_reaches_the_segment(sealed):
 
 def test_another_process_opens_the_segment_through_proc(sealed):
     out = run_python(f"""
-        from overmind.shared.memfd import Segment
+        from overmind.shared.memfd import RESIDENT, Segment, cached_share
         seg = Segment.open_proc({os.getpid()}, {sealed.fd}, {sealed.size})
         m = seg.map_private()
         m[:5] = b"XXXXX"  # private: never seen by the parent
@@ -116,6 +116,36 @@ def test_a_regular_file_is_not_accepted_as_a_segment(tmp_path):
     with pytest.raises(ValueError, match="not a memfd"):
         Segment.from_fd(fd, 10)
     os.close(fd)
+
+
+def _dropped(path) -> int:
+    """``path`` opened read-only with its pages out of the page cache (what memory pressure does)."""
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # written just now: dirty pages would stay
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    return fd
+
+
+def test_a_file_segment_the_page_cache_lost_is_read_back_whole_and_a_cached_one_is_left(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(os.urandom(8 << 20))
+    st = os.stat(path)
+    seg = Segment(_dropped(path), st.st_size, "file")
+    try:
+        seg.check(st.st_size, identity=(st.st_dev, st.st_ino))
+        assert seg.file_backed
+        if cached_share(seg.fd, seg.size) is None:
+            pytest.skip("this kernel has no cachestat (Linux 6.5): nothing can tell a lost file")
+        assert cached_share(seg.fd, seg.size) < RESIDENT
+        assert seg.read_back() == seg.size
+        assert cached_share(seg.fd, seg.size) >= RESIDENT
+        assert seg.read_back() == 0  # back in the page cache: nothing to read
+    finally:
+        seg.close()
+
+
+def test_a_memfd_segment_is_never_read_back(sealed):
+    assert sealed.read_back() == 0
 
 
 @pytest.mark.parametrize("size", [-1, 1.5, "10"])

@@ -19,10 +19,12 @@ a time):
 
 - once the server had no request for ``OVERMIND_SETTLE_AFTER`` seconds (5 by default: longer
   than the gap between a script's start and its loads, so runs back to back are left alone;
-  set empty: never), every file segment, most recently used entry first, pausing whenever a
-  request comes (``0``: at once, which the tests use to see hits in memfds);
-- at once, without pausing, one of which the page cache holds less than 90 % (``cachestat``,
-  looked at every 0.5 s): its pages are going, and the next hit would read them from disk.
+  set empty: never, not even as below), every file segment, most recently used entry first,
+  pausing whenever a request comes (``0``: at once, which the tests use to see hits in memfds);
+- at once, without pausing, one of which the page cache holds less than RESIDENT (90 %,
+  ``cachestat``, looked at every 0.5 s): its pages are going, and the next hit would read them
+  from disk. A program that loaded it before reads it back meanwhile, while it imports (Note
+  [Reading back a lost file] in overmind.client.prefetch); the two read the same pages.
 
 After the copy it checks the file did not change meanwhile (size, mtime and ctime of the very
 fd it copied from), seals the memfd and puts it in every slot that held the file. Clients
@@ -34,7 +36,8 @@ Why not copy at once, as fills did: on this machine fresh memory fills at 0.4 GB
 beside the user's next run slowed it from 0.82 to 1.02 x plain (``overmind-bench --scenarios
 warmup_curve``, run 2, ``OVERMIND_SETTLE_AFTER=0``). The price: with the page cache emptied
 between runs back to back, run 2 finds the files gone before the copy could start and reads
-them from disk (0.70-0.83 x plain instead of 0.63); run 3 has the sealed copies.
+them back while it imports (0.69 x plain; 0.70-0.83 before it read them back, 0.63 copying at
+once); run 3 has the sealed copies.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import time
 from typing import Optional
 
 from overmind.server.registry import Registry
-from overmind.shared.memfd import Segment, cached_share
+from overmind.shared.memfd import RESIDENT, Segment, cached_share
 from overmind.shared.priority import to_idle
 
 logger = logging.getLogger("overmind.server.settle")
@@ -55,8 +58,6 @@ __all__ = ["Settler", "CHUNK"]
 
 CHUNK = 32 << 20  # bytes copied between looks at whether a request came
 _POLL = 0.5  # seconds between looks for work
-# A file segment with less of it in the page cache is copied at once, idle or not.
-RESIDENT = 0.9
 
 
 def _evicted(fd: int, size: int) -> bool:
@@ -100,7 +101,8 @@ class Settler:
         while not self.stopping.wait(_POLL):
             segments = self.registry.file_segments(skip=self._given_up)
             try:
-                evicted = [s for s in segments if _evicted(s[2], s[1])]
+                # settle_after None: never a second copy, not even of a file the page cache lost
+                evicted = [s for s in segments if _evicted(s[2], s[1])] if self.idle_after is not None else []
                 chosen = evicted[0] if evicted else segments[0] if segments and self._quiet() else None
                 if chosen is not None:
                     self._settle_one(*chosen, pause=not evicted)

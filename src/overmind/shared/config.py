@@ -28,8 +28,8 @@ Standard library only (the server imports it)::
                            (default 120 each; ``0``: fills start at once at normal priority).
                            Note [Cold fills wait for their caller] in overmind.server.fill_priority.
 ``OVERMIND_SETTLE_AFTER``  seconds without a request after which the server copies the model
-                           files it serves from into sealed memory (default 5; empty: never;
-                           it still copies one at once when the page cache loses it).
+                           files it serves from into sealed memory (default 5; it copies one
+                           at once when the page cache loses it; empty: never, not even then).
                            Note [Settling file segments] in overmind.server.settle.
 ``OVERMIND_NO_AUTOSTART``  ``1``: clients never start a server themselves.
 ``OVERMIND_PRESTART``      ``0``: ``monkey_patch_all()`` does not ask the server, in the

@@ -129,6 +129,12 @@ class _Cachestat(ctypes.Structure):
                 ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
 
 
+# A file segment with less of it in the page cache than this has lost it: Note [Settling file
+# segments] in overmind.server.settle, Note [Reading back a lost file] in overmind.client.prefetch.
+RESIDENT = 0.9
+READ_BACK_CHUNK = 32 << 20  # bytes per read: few enough reads that taking the GIL back is rare
+
+
 def cached_share(fd: int, size: int) -> Optional[float]:
     """The share of the file ``fd``'s ``size`` bytes in the page cache (``cachestat``, Linux
     6.5), or None where the kernel cannot say."""
@@ -369,6 +375,25 @@ class Segment:
             return
         if seals & SEAL_ALL != SEAL_ALL:
             raise ValueError(f"segment {self.name!r} is not sealed (seals 0x{seals:x}); refusing to map mutable memory")
+
+    def read_back(self) -> int:
+        """If this is a file segment the page cache lost (less than RESIDENT of it there), read
+        the file whole on this thread, so its pages are in memory again before a hit touches
+        them (Note [Reading back a lost file] in overmind.client.prefetch); the bytes read, 0 if
+        there was nothing to do or the kernel cannot say."""
+        if not self.file_backed:
+            return 0
+        share = cached_share(self.fd, self.size)
+        if share is None or share >= RESIDENT:
+            return 0
+        buffer = bytearray(READ_BACK_CHUNK)  # reused: the copy out of the page cache touches each page
+        done = 0
+        while done < self.size:
+            n = os.preadv(self.fd, [buffer], done)
+            if n <= 0:
+                break
+            done += n
+        return done
 
     def map_private(self) -> mmap.mmap:
         """Map the whole segment copy-on-write (see Note [Sealed segments are immutable])."""
