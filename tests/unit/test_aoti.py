@@ -5,6 +5,7 @@ is handed over once and never for a changed file, and the fork check sees a star
 from __future__ import annotations
 
 import inspect
+import json
 import io
 import sys
 import os
@@ -165,3 +166,26 @@ def test_a_package_a_run_reports_reaches_its_lineage_and_starts_no_interpreter(t
         assert pool.lessons.packages_for(context) == [spec]
     finally:
         pool.close()
+
+
+def test_the_isa_probes_made_at_once_are_each_cached_and_leave_no_thread(python):
+    # Note [The ISA probes at once]: a thread per probe, every one gone from the kernel's list when
+    # it returns, or the next fork would be refused (Note [No thread pool before a fork]).
+    out = python("""
+        import json, platform, time
+        import torch._inductor.config as config
+        from torch._inductor import cpu_vec_isa
+        from overmind.warm.compiled import _isa_candidates, native_thread_ids, pool_started, probe_vector_isas
+        ready = native_thread_ids()
+        started = time.monotonic()
+        probe_vector_isas()
+        took = time.monotonic() - started
+        cached = cpu_vec_isa.VecISA._VecISA__bool__impl.cache_info().currsize
+        print(json.dumps({"why": pool_started(ready), "left": sorted(native_thread_ids() - ready),
+                          "cached": cached, "candidates": len(_isa_candidates()), "x86": platform.machine() == "x86_64"}))
+    """).stdout
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["why"] == "" and found["left"] == []
+    if found["x86"]:
+        assert found["candidates"] >= 1
+    assert found["cached"] >= found["candidates"]  # each answered, per vec_isa_ok, for the children

@@ -57,11 +57,11 @@ def preload(spec: dict) -> str:
         return "it failed to load before"
     forget(spec)  # a changed file: its old runner goes
     _failed.add(attempt)  # until it loads: a package that raises is not tried again each run
+    from overmind.warm.compiled import probe_vector_isas
+
+    probe_vector_isas()  # what the load asks first, at once: Note [The ISA probes at once] in overmind.warm.compiled
     runner = _resolve(spec["point"])(spec["path"], **spec["kwargs"])
     _failed.discard(attempt)
-    from overmind.warm.compiled import forget_isa_list
-
-    forget_isa_list()  # loading asked for it: Note [Inductor's probes, made once] in overmind.warm.compiled
     if fingerprint(spec["path"]) != found:
         return "changed while it loaded"
     hold(spec, runner, found)

@@ -19,7 +19,22 @@ interpreter whose context's runs made those probes themselves (they compiled, or
 AOTInductor package: the mark ``overmind.shared.inductor.USED`` in their module reports;
 importing ``torch._inductor`` says nothing, ``transformers`` does it) asks once, after its imports, so every child it forks starts with the answers; an
 AOTInductor package's load asks the same ISA question. Nothing here runs a kernel or starts a
-thread (Note [No thread pool before a fork]): the probes are subprocesses, file reads and
+thread (Note [The ISA probes at once]
+Each vector ISA's probe (``VecISA.__bool__``: compile and ``dlopen`` a test library, a fresh
+``python`` for each ``dlopen``), as ``valid_vec_isa_list()`` makes them on x86, but not that list
+itself: it is cached whatever ``config.cpp.vec_isa_ok`` was at its first call, and a script may
+set that first. They wait on subprocesses, one after another in Inductor (1.39 s for the three
+of this machine, measured by hand), so the warm interpreter makes them at once, a thread each,
+joined, and waits until the kernel no longer lists those threads before it goes on (a fork
+checks for threads: Note [No thread pool before a fork]). It does so as the first step of
+priming and before preloading an AOTInductor package, whose load makes the same probes: that
+load is what the second ``overmind run`` of an AOTInductor script waits for when it comes
+right after the first. The answers cached whatever the setting are dropped in each child
+(:func:`forget_isa_list`, from ``_in_child`` in overmind.warm.interpreter), not in the
+interpreter: dropped there after the package's load, the header's step made the classes' own
+checks again, a step of 0.46-1.0 s that the next run's fork waited for.
+
+Note [No thread pool before a fork]): the probes are subprocesses, file reads and
 hashes. The answers are what a plain process would compute now, as long as their inputs stay:
 - settings read from the environment (``CXX``, ``PATH``, ``TORCHINDUCTOR_CACHE_DIR``,
   ``TMPDIR``, ``ATEN_CPU_CAPABILITY``...) are recorded while priming, as while importing, so a
@@ -32,7 +47,7 @@ hashes. The answers are what a plain process would compute now, as long as their
   answers cached per the setting they depend on are kept (each ISA's probe per
   ``config.cpp.vec_isa_ok``, the compiler per ``config.cpp.cxx``, the header per command line);
   ``valid_vec_isa_list()`` and the AVX512/AMX classes' own ``__bool__``, cached whatever the
-  setting was at their first call, are dropped before any fork (:func:`forget_isa_list`), so a
+  setting was at their first call, are dropped in every child (:func:`forget_isa_list`), so a
   run that sets ``vec_isa_ok`` first sees no ISA, as plain does (their extra bf16/AMX probes,
   on CPUs that have those, are made again in each run).
 The header is primed for the command line of a CPU kernel with the best ISA (what Inductor
@@ -149,17 +164,9 @@ class Priming:
             self.step(reads)
 
     def _plan(self) -> list:
-        import platform
+        from torch._inductor import codecache, config, cpp_builder
 
-        from torch._inductor import codecache, config, cpp_builder, cpu_vec_isa
-
-        # Each vector ISA's probe (VecISA.__bool__: compile and dlopen a test library), as
-        # valid_vec_isa_list() makes them on x86, but not that list itself: it is cached whatever
-        # config.cpp.vec_isa_ok was at its first call, and a script may set that first.
-        candidates = []
-        if platform.machine() in ("x86_64", "AMD64"):
-            flags = cpu_vec_isa.x86_isa_checker()
-            candidates = [i for i in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(i).split())]
+        candidates = _isa_candidates()
 
         def compiler() -> None:
             name = cpp_builder.get_cpp_compiler()
@@ -172,9 +179,45 @@ class Priming:
             valid = [isa for isa in candidates if isa]  # answered by the steps before
             if config.cpp_cache_precompile_headers and valid:
                 self.files.extend(_prime_header(codecache, config, cpp_builder, valid[0]))
-            forget_isa_list()  # building the command line asked for it
 
-        return [*(functools.partial(bool, isa) for isa in candidates), codecache.torch_key, compiler, header]
+        return [probe_vector_isas, codecache.torch_key, compiler, header]
+
+
+def _isa_candidates() -> list:
+    """The vector ISAs valid_vec_isa_list() would probe on this machine (x86 only: elsewhere it
+    probes none)."""
+    import platform
+
+    from torch._inductor import cpu_vec_isa
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [i for i in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(i).split())]
+
+
+def probe_vector_isas() -> None:
+    """Note [The ISA probes at once]. Raises what a probe raised."""
+    candidates = _isa_candidates()
+    failures: list = []
+
+    def probe(isa) -> None:
+        try:
+            bool(isa)
+        except BaseException as err:  # noqa: BLE001 - raised below, in the calling thread
+            failures.append(err)
+
+    threads = [threading.Thread(target=probe, args=(isa,), name="overmind-isa-probe") for isa in candidates]
+    for thread in threads:
+        thread.start()
+    ids = {str(thread.native_id) for thread in threads}
+    for thread in threads:
+        thread.join()
+    deadline = time.monotonic() + 5.0
+    while ids & native_thread_ids() and time.monotonic() < deadline:
+        time.sleep(0.001)  # joined, but the kernel may list an exiting thread a moment longer
+    if failures:
+        raise failures[0]
 
 
 def prime_inductor(reads=None) -> Priming:

@@ -74,7 +74,7 @@ from overmind.shared import protocol as P
 from overmind.shared.import_env import Reads, differs, recording
 from overmind.shared.inductor import USED as INDUCTOR_USED
 from overmind.warm.children import Children
-from overmind.warm.compiled import PRIMING, Priming, compile_stack_held, native_thread_ids, pool_started
+from overmind.warm.compiled import PRIMING, Priming, compile_stack_held, forget_isa_list, native_thread_ids, pool_started
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +379,7 @@ class WarmInterpreter:
                                                   environ=self._news()))
 
     def _in_child(self) -> None:
+        forget_isa_list()  # Note [Inductor's probes, made once] in overmind.warm.compiled
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in (self.wakeup_r, self.wakeup_w):
