@@ -26,7 +26,18 @@ itself: it is cached whatever ``config.cpp.vec_isa_ok`` was at its first call, a
 set that first. They wait on subprocesses, one after another in Inductor (1.39 s for the three
 of this machine, measured by hand), so the warm interpreter makes them at once, a thread each,
 joined, and waits until the kernel no longer lists those threads before it goes on (a fork
-checks for threads: Note [No thread pool before a fork]). It does so as the first step of
+checks for threads: Note [Priming waits for a pause]
+A step of priming cannot be cut short, and a fork that comes meanwhile waits for it (up to
+0.27 s for the header's check). Runs come back to back, and the server's messages say when:
+a run's report of its modules (``Warm``) comes as it exits, the next run's ``Fork`` a tenth of
+a second later. So a step starts only after PRIME_AFTER_QUIET (0.5 s) without a message,
+inside a run rather than between two. An AOTInductor script's runs (0.2-0.4 s each, their
+package handed over: they need no probe) may then leave priming for later; a
+``torch.compile`` run lasts long enough for the steps to go on beside it. Before, run 2 of
+the AOTInductor script came as run 1's report set priming off and waited for a step: 0.45-0.72 s
+(``overmind-bench --scenarios compiled``, several sessions' tries).
+
+Note [No thread pool before a fork]). It does so as the first step of
 priming and before preloading an AOTInductor package, whose load makes the same probes: that
 load is what the second ``overmind run`` of an AOTInductor script waits for when it comes
 right after the first. The answers cached whatever the setting are dropped in each child

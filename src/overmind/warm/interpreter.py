@@ -69,6 +69,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from overmind.shared import protocol as P
 from overmind.shared.import_env import Reads, differs, recording
@@ -81,6 +82,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["interpreter_main"]
 
 PREIMPORT = ("torch",)
+# Seconds without a message from the server before a priming step starts: Note [Priming waits
+# for a pause] in overmind.warm.compiled.
+PRIME_AFTER_QUIET = 0.5
 
 
 def _native_threads() -> int:
@@ -100,6 +104,7 @@ class WarmInterpreter:
         self.to_preload: list[dict] = []  # AOTInductor packages: Note [AOTInductor packages are handed over]
         self.compiles = False  # its context's runs made Inductor's probes (overmind.shared.inductor)
         self.priming: Priming | None = None  # Note [Inductor's probes, made once] in overmind.warm.compiled
+        self.last_message = time.monotonic()  # from the server, on the control socket
         self.refused_modules: set[str] = set()
         self.reads = Reads()  # Note [Settings an import read] in overmind.shared.import_env
         self.told: tuple[set, set] = (set(), set())  # the names and prefixes the server has heard of
@@ -263,8 +268,10 @@ class WarmInterpreter:
             watched = [self.wakeup_r, *self.children.watched()]
             if not self.retiring:
                 watched.append(self.control)
-            busy = self.to_learn or self.to_preload or (self.priming is not None and not self.priming.done)
-            timeout = 0 if busy and not self.retiring else None
+            priming = self.priming is not None and not self.priming.done
+            pause_in = PRIME_AFTER_QUIET - (time.monotonic() - self.last_message)
+            busy = self.to_learn or self.to_preload or (priming and pause_in <= 0)
+            timeout = None if self.retiring else 0 if busy else pause_in if priming else None
             try:
                 ready, _, _ = select.select(watched, [], [], timeout)
             except InterruptedError:
@@ -323,6 +330,7 @@ class WarmInterpreter:
             self._prime()
 
     def _control(self) -> None:
+        self.last_message = time.monotonic()
         try:
             message, blob, fds = P.recv_message(self.control)
         except (EOFError, ConnectionResetError, P.ProtocolError):
