@@ -36,8 +36,8 @@ Why not copy at once, as fills did: on this machine fresh memory fills at 0.4 GB
 beside the user's next run slowed it from 0.82 to 1.02 x plain (``overmind-bench --scenarios
 warmup_curve``, run 2, ``OVERMIND_SETTLE_AFTER=0``). The price: with the page cache emptied
 between runs back to back, run 2 finds the files gone before the copy could start and reads
-them back while it imports (0.69 x plain; 0.70-0.83 before it read them back, 0.63 copying at
-once); run 3 has the sealed copies.
+them back while it imports (0.69-0.84 x plain; 0.70-0.83 before it read them back, on
+another day; 0.63 copying at once); run 3 has the sealed copies.
 """
 
 from __future__ import annotations
