@@ -27,9 +27,9 @@ once, so two loads in one process still get two mappings (DESIGN invariant 1). A
 answer does not name is never used; those left over are closed after LEFTOVER_SECONDS.
 It is a head start only: once the first load call begins it maps nothing more (a forked
 ``overmind run`` child loads within milliseconds, and two threads faulting the same pages only
-get in each other's way); a mapping it finished is still used. Bounded by what the program loaded last
-time and by OVERMIND_MAX_MEMORY; nothing happens
-without history, over SCM_RIGHTS-only servers, or for ``-c`` and the interactive prompt. The
+get in each other's way); a mapping it finished is still used. Bounded by what the program
+loaded last time and by OVERMIND_MAX_MEMORY; nothing happens without history, over
+SCM_RIGHTS-only servers, or for ``-c`` and the interactive prompt. The
 thread is a daemon (it never delays the exit) and a forked child forgets what it prepared.
 
 Note [Reading back a lost file]
@@ -43,8 +43,8 @@ on the core the imports leave idle. Reading with the CPU rather than ``sendfile`
 matters on this VM: the first touch of memory the hypervisor took back costs about as much as
 the disk read (measured by hand on the seed's UNet, 1.7 GB: brought back by sendfile, its
 first use still took 3.7 s; after a read, 0.1 s), and ``POSIX_FADV_WILLNEED`` reads only the
-readahead window. It goes on past the first load call (the loads' first use needs the pages too), within
-the same budget. Measured with the seed's ControlNet script, the model's files evicted before
+readahead window. It goes on past the first load call (the loads' first use needs the pages
+too), within the same budget. Measured with the seed's ControlNet script, the model's files evicted before
 every run back to back: by hand, 5 interleaved pairs of fresh servers, run 2 took 8.69 s
 (median) with the read and 9.50 s without, plain 11.83 s (0.73 and 0.80 x); ``overmind-bench
 --scenarios warmup_curve --drop-page-cache``, two 2-round runs: run 2 0.69 and 0.84 x.
