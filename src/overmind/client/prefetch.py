@@ -44,8 +44,8 @@ matters on this VM: the first touch of memory the hypervisor took back costs abo
 the disk read (measured by hand on the seed's UNet, 1.7 GB: brought back by sendfile, its
 first use still took 3.7 s; after a read, 0.1 s), and ``POSIX_FADV_WILLNEED`` reads only the
 readahead window. It goes on past the first load call (the loads' first use needs the pages
-too), within the same budget. Measured with the seed's ControlNet script, the model's files evicted before
-every run back to back: by hand, 5 interleaved pairs of fresh servers, run 2 took 8.69 s
+too), within the same budget. Measured with the seed's ControlNet script, the model's files
+evicted before every run back to back: by hand, 5 interleaved pairs of fresh servers, run 2 took 8.69 s
 (median) with the read and 9.50 s without, plain 11.83 s (0.73 and 0.80 x); ``overmind-bench
 --scenarios warmup_curve --drop-page-cache``, two 2-round runs: run 2 0.69 and 0.84 x.
 

@@ -17,36 +17,11 @@ compiler's path and version (``g++ --version``, ``g++ -v``), and the precompiled
 check (``g++ -E`` of ``cpp_prefix.h`` and ``openssl sha512`` of the result, ~0.2 s). A warm
 interpreter whose context's runs made those probes themselves (they compiled, or loaded an
 AOTInductor package: the mark ``overmind.shared.inductor.USED`` in their module reports;
-importing ``torch._inductor`` says nothing, ``transformers`` does it) asks once, after its imports, so every child it forks starts with the answers; an
-AOTInductor package's load asks the same ISA question. Nothing here runs a kernel or starts a
-thread (Note [The ISA probes at once]
-Each vector ISA's probe (``VecISA.__bool__``: compile and ``dlopen`` a test library, a fresh
-``python`` for each ``dlopen``), as ``valid_vec_isa_list()`` makes them on x86, but not that list
-itself: it is cached whatever ``config.cpp.vec_isa_ok`` was at its first call, and a script may
-set that first. They wait on subprocesses, one after another in Inductor (1.39 s for the three
-of this machine, measured by hand), so the warm interpreter makes them at once, a thread each,
-joined, and waits until the kernel no longer lists those threads before it goes on (a fork
-checks for threads: Note [Priming waits for a pause]
-A step of priming cannot be cut short, and a fork that comes meanwhile waits for it (up to
-0.27 s for the header's check). Runs come back to back, and the server's messages say when:
-a run's report of its modules (``Warm``) comes as it exits, the next run's ``Fork`` a tenth of
-a second later. So a step starts only after PRIME_AFTER_QUIET (0.5 s) without a message,
-inside a run rather than between two. An AOTInductor script's runs (0.2-0.4 s each, their
-package handed over: they need no probe) may then leave priming for later; a
-``torch.compile`` run lasts long enough for the steps to go on beside it. Before, run 2 of
-the AOTInductor script came as run 1's report set priming off and waited for a step: 0.45-0.72 s
-(``overmind-bench --scenarios compiled``, several sessions' tries).
-
-Note [No thread pool before a fork]). It does so as the first step of
-priming and before preloading an AOTInductor package, whose load makes the same probes: that
-load is what the second ``overmind run`` of an AOTInductor script waits for when it comes
-right after the first. The answers cached whatever the setting are dropped in each child
-(:func:`forget_isa_list`, from ``_in_child`` in overmind.warm.interpreter), not in the
-interpreter: dropped there after the package's load, the header's step made the classes' own
-checks again, a step of 0.46-1.0 s that the next run's fork waited for.
-
-Note [No thread pool before a fork]): the probes are subprocesses, file reads and
-hashes. The answers are what a plain process would compute now, as long as their inputs stay:
+importing ``torch._inductor`` says nothing, ``transformers`` does it) asks once, after its
+imports, so every child it forks starts with the answers; an AOTInductor package's load asks
+the same ISA question. Nothing here runs a kernel or leaves a thread running (Note [No
+thread pool before a fork]; the ISA probes' threads are gone before it goes on: Note [The ISA
+probes at once]): the probes are subprocesses, file reads and hashes. The answers are what a plain process would compute now, as long as their inputs stay:
 - settings read from the environment (``CXX``, ``PATH``, ``TORCHINDUCTOR_CACHE_DIR``,
   ``TMPDIR``, ``ATEN_CPU_CAPABILITY``...) are recorded while priming, as while importing, so a
   run whose values differ is not forked from this interpreter (Note [Settings an import read]
@@ -66,6 +41,32 @@ compiles for a plain ``torch.compile`` on CPU); any other command line is a miss
 the run what plain pays. Replicating that command line reaches into Inductor's internals:
 a torch whose internals moved makes priming fail (logged), never the run.
 
+Note [The ISA probes at once]
+Each vector ISA's probe (``VecISA.__bool__``: compile and ``dlopen`` a test library, a fresh
+``python`` for each ``dlopen``), as ``valid_vec_isa_list()`` makes them on x86, but not that list
+itself: it is cached whatever ``config.cpp.vec_isa_ok`` was at its first call, and a script may
+set that first. They wait on subprocesses, one after another in Inductor (1.39 s for the three
+of this machine, measured by hand), so the warm interpreter makes them at once, a thread each,
+joined, and waits until the kernel no longer lists those threads before it goes on (a fork
+checks for threads: Note [No thread pool before a fork]). It does so as the first step of
+priming and before preloading an AOTInductor package, whose load makes the same probes: that
+load is what the second ``overmind run`` of an AOTInductor script waits for when it comes
+right after the first. The answers cached whatever the setting are dropped in each child
+(:func:`forget_isa_list`, from ``_in_child`` in overmind.warm.interpreter), not in the
+interpreter: dropped there after the package's load, the header's step made the classes' own
+checks again, a step of 0.46-1.0 s that the next run's fork waited for.
+
+Note [Priming waits for a pause]
+A step of priming cannot be cut short, and a fork that comes meanwhile waits for it (up to
+0.27 s for the header's check). Runs come back to back, and the server's messages say when:
+a run's report of its modules (``Warm``) comes as it exits, the next run's ``Fork`` a tenth of
+a second later. So a step starts only after PRIME_AFTER_QUIET (0.5 s) without a message,
+inside a run rather than between two. An AOTInductor script's runs (0.2-0.4 s each, their
+package handed over: they need no probe) may then leave priming for later; a
+``torch.compile`` run lasts long enough for the steps to go on beside it. Before, run 2 of
+the AOTInductor script came as run 1's report set priming off and waited for a step: 0.45-0.72 s
+(``overmind-bench --scenarios compiled``, several sessions' tries).
+
 Note [No thread pool before a fork]
 A fork copies only the calling thread. OpenMP's pool (torch's intra-op parallelism on CPU)
 and at::launch's inter-op pool are started by the first kernel large enough to run in
@@ -83,7 +84,6 @@ pool was started; ``torch.get_num_threads()`` only reports the size it would hav
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil

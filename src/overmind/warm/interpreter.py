@@ -75,7 +75,8 @@ from overmind.shared import protocol as P
 from overmind.shared.import_env import Reads, differs, recording
 from overmind.shared.inductor import USED as INDUCTOR_USED
 from overmind.warm.children import Children
-from overmind.warm.compiled import PRIMING, Priming, compile_stack_held, forget_isa_list, native_thread_ids, pool_started
+from overmind.warm.compiled import (PRIMING, Priming, compile_stack_held, forget_isa_list, native_thread_ids,
+                                    native_threads, pool_started)
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +86,6 @@ PREIMPORT = ("torch",)
 # Seconds without a message from the server before a priming step starts: Note [Priming waits
 # for a pause] in overmind.warm.compiled.
 PRIME_AFTER_QUIET = 0.5
-
-
-def _native_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 class WarmInterpreter:
@@ -128,7 +125,7 @@ class WarmInterpreter:
             import overmind.shared.reductions  # noqa: F401
             import overmind.warm.child  # noqa: F401  (what every run imports first)
 
-        self.threads = _native_threads()  # Note [Forking past torch's thread]: counted here, once
+        self.threads = native_threads()  # Note [Forking past torch's thread]: counted here, once
         self.thread_ids = native_thread_ids()  # Note [No thread pool before a fork] in overmind.warm.compiled
         self.compiles = INDUCTOR_USED in warm.modules
         imported += self._import(warm.modules)
@@ -146,7 +143,7 @@ class WarmInterpreter:
         for name in names:
             if name in sys.modules or name in self.refused_modules:
                 continue
-            before = threading.active_count(), _native_threads()
+            before = threading.active_count(), native_threads()
             self.reads.unbounded = ""
             failed, installed = None, False
             # Note [Settings an import read] in overmind.shared.import_env; find_spec imports the parent package
@@ -165,7 +162,7 @@ class WarmInterpreter:
                 logger.debug("pre-import of %s failed: %s", name, failed)
                 self.refused_modules.add(name)
                 continue
-            if (threading.active_count(), _native_threads()) != before and self.threads:
+            if (threading.active_count(), native_threads()) != before and self.threads:
                 # Never again in this context: the server drops it from what it hands our successor.
                 logger.warning("importing %s started a thread: this interpreter will not fork again", name)
                 self.refused_modules.add(name)
