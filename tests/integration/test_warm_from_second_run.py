@@ -95,6 +95,86 @@ def test_the_next_run_of_a_program_reads_back_a_model_file_the_page_cache_lost(r
         server.stop()
 
 
+TWO_FILES = """
+import json, os, sys, time
+import overmind.api
+overmind.api.monkey_patch_all()
+from overmind.client import prefetch
+
+paths = sys.argv[1:3]
+lost = sum(os.path.getsize(p) for p in paths) if len(sys.argv) > 3 else 0
+deadline = time.monotonic() + 30
+while prefetch.stats["read_back"] < lost and time.monotonic() < deadline:
+    time.sleep(0.01)  # before torch is imported: the thread reads back meanwhile
+before_torch = {"read_back": prefetch.stats["read_back"], "torch": "torch" in sys.modules}
+from safetensors.torch import load_file
+sums = [float(load_file(p)["w"].double().sum()) for p in paths]
+print(json.dumps({"before_torch": before_torch, "sums": sums, **prefetch.stats}))
+"""
+
+
+def _lose(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # written just now: dirty pages would stay
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # what another workload's memory needs do
+        share = cached_share(fd, path.stat().st_size)
+        if share is None:
+            pytest.skip("this kernel has no cachestat (Linux 6.5): nothing can tell a lost file")
+        assert share < RESIDENT
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def two_files(tmp_path):
+    script = tmp_path / "two.py"
+    script.write_text(TWO_FILES)
+    paths = [tmp_path / f"w{i}.safetensors" for i in range(2)]
+    for i, path in enumerate(paths):
+        save_file({"w": torch.arange(300_000, dtype=torch.float32) * (i + 1)}, str(path))
+    age_files(*paths)
+    return script, paths
+
+
+def _run_two(server, script, paths, *more) -> dict:
+    proc = subprocess.run([sys.executable, str(script), *map(str, paths), *more], env=server.client_env(),
+                          capture_output=True, text=True, timeout=120, cwd=script.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return last_json(proc)
+
+
+def test_lost_files_are_read_back_while_the_script_has_not_imported_torch(runtime_dir, two_files):
+    script, paths = two_files
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": ""})  # the files stay the segments
+    try:
+        first = _run_two(server, script, paths)
+        assert server.wait_idle()["file_segments"]["bytes"] == sum(p.stat().st_size for p in paths)
+        for path in paths:
+            _lose(path)
+        second = _run_two(server, script, paths, "lost")
+        # every lost file, not only the first: the mappings wait for torch's import, the reads do not
+        assert second["before_torch"] == {"read_back": sum(p.stat().st_size for p in paths), "torch": False}
+        assert second["sums"] == first["sums"] and second["used"] == 2
+    finally:
+        server.stop()
+
+
+def test_a_lost_file_a_program_was_handed_to_read_back_is_not_copied_beside_it(runtime_dir, two_files):
+    script, paths = two_files
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600"})  # copies only what the page cache lost
+    try:
+        _run_two(server, script, paths)
+        server.wait_idle()
+        _run_two(server, script, paths)  # its prefetch was handed both files
+        _lose(paths[0])
+        time.sleep(2.0)  # four looks of the settler, which copies a lost file at once (test_file_segments)
+        status = server.status()["file_segments"]
+        assert status["settled"] == 0 and status["copying"] is None, status
+    finally:
+        server.stop()
+
+
 def test_a_prefetched_entry_whose_file_changed_is_never_used(server, program):
     script, weights = program
     _run(server, script, weights)

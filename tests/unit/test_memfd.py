@@ -9,6 +9,7 @@ import socket
 
 import pytest
 
+from overmind.shared import memfd
 from overmind.shared.memfd import RESIDENT, Segment, cached_share
 
 from ..conftest import run_python
@@ -126,9 +127,16 @@ def _dropped(path) -> int:
     return fd
 
 
-def test_a_file_segment_the_page_cache_lost_is_read_back_whole_and_a_cached_one_is_left(tmp_path):
+# (buffer bytes, buffers per read): the default reads 8 MiB in one call; the second needs
+# several reads, the last of them ending inside a vector
+@pytest.mark.parametrize("chunk, vectors", [(None, None), (1 << 20, 3)])
+def test_a_file_segment_the_page_cache_lost_is_read_back_whole_and_a_cached_one_is_left(
+        tmp_path, monkeypatch, chunk, vectors):
+    if chunk is not None:
+        monkeypatch.setattr(memfd, "READ_BACK_CHUNK", chunk)
+        monkeypatch.setattr(memfd, "READ_BACK_VECTORS", vectors)
     path = tmp_path / "model.safetensors"
-    path.write_bytes(os.urandom(8 << 20))
+    path.write_bytes(os.urandom((8 << 20) + 4096))
     st = os.stat(path)
     seg = Segment(_dropped(path), st.st_size, "file")
     try:

@@ -17,9 +17,11 @@ identity check of every open (Note [A segment is opened by identity] in overmind
 maps each ``MAP_PRIVATE`` as a hit would, and fills its page tables with
 ``MADV_POPULATE_READ`` (with the GIL released: ctypes drops it around the call; in chunks of
 POPULATE_CHUNK, as each call holds the address space's lock, and the main thread's own mmaps,
-which import does for every extension module and large allocation, wait for it; so it also
+which import does for every extension module and large allocation, wait for it; so populating
 waits for ``import torch`` to end, the import that maps most: populating during it made torch's
-import 0.3 s slower, measured on the seed's script). When the
+import 0.3 s slower, measured on the seed's script; opening, mapping and reading back, below, do
+not wait). A mapping counts as prepared once it is mapped: a load that comes first takes it
+unpopulated and faults in what it uses. When the
 load call comes, the server's answer names each segment by (device, inode, size); a prepared
 mapping of that very file is used instead of a new one (the mapping holds the file open, so
 that identity cannot be reused while it exists), and each prepared mapping is used at most
@@ -38,16 +40,21 @@ and the page cache can lose its pages before the server copied them into sealed 
 [Settling file segments] in overmind.server.settle): another workload needed the memory. The hit
 then reads them from disk on the main thread as plain python would, at first use. So the same
 thread, for each segment it opens, reads a file segment the page cache lost (less than RESIDENT
-of it there, ``cachestat``) whole, into one reused buffer, with the GIL released in each read,
-on the core the imports leave idle. Reading with the CPU rather than ``sendfile`` to /dev/null
+of it there, ``cachestat``) whole, at once, not waiting for torch's import (it maps nothing), on
+the core the imports leave idle: into one reused buffer named READ_BACK_VECTORS times per
+``preadv``, so the GIL is released for up to 2 GiB at a time, not taken back after every buffer
+(each take waits out the importing main thread's switch interval; Segment.read_back). The server
+leaves such a file to the client for a while rather than copy it into sealed memory meanwhile,
+which read the same disk at the same time (Note [Settling file segments]). Reading with the CPU rather than ``sendfile`` to /dev/null
 matters on this VM: the first touch of memory the hypervisor took back costs about as much as
 the disk read (measured by hand on the seed's UNet, 1.7 GB: brought back by sendfile, its
 first use still took 3.7 s; after a read, 0.1 s), and ``POSIX_FADV_WILLNEED`` reads only the
 readahead window. It goes on past the first load call (the loads' first use needs the pages
 too), within the same budget. Measured with the seed's ControlNet script, the model's files
-evicted before every run back to back: by hand, 5 interleaved pairs of fresh servers, run 2 took 8.69 s
-(median) with the read and 9.50 s without, plain 11.83 s (0.73 and 0.80 x); ``overmind-bench
---scenarios warmup_curve --drop-page-cache``, two 2-round runs: run 2 0.69 and 0.84 x.
+evicted before every run back to back, by hand, fresh servers, runs interleaved with plain
+(median 9.29 s), 4 trials: run 2 took 0.67, 0.63, 0.64 and 0.75 x plain (median 0.68) with the
+read at once, vectored and left to the client; 0.69-0.72 x when the read waited for torch's
+import, one buffer per read, beside the server's own copy.
 
 Note [Teaching the interpreter while importing]
 In a program's first run with this server (no history for it), the same thread tells the
@@ -187,13 +194,14 @@ def prepare(server_pid: int, entries: list, budget: int) -> int:
     from overmind.shared.memfd import Segment
 
     done = 0
+    unpopulated: list = []  # (segment identity, mapping): mapped, page tables not yet filled
     for key, handles in entries:
         for handle in handles:
             if handle is None:
                 continue
             fd, size, dev, ino = handle
             if done + size > budget:
-                return done
+                break
             mapping = None
             try:
                 with Segment.open_proc(server_pid, fd, size, f"{key[:12]}.prefetch", identity=(dev, ino)) as seg:
@@ -206,23 +214,41 @@ def prepare(server_pid: int, entries: list, budget: int) -> int:
             done += size
             if mapping is None:
                 continue
-            _after_torch_import()
-            populate(mapping, _first_load)
             with _lock:
                 _prepared.setdefault((dev, ino, size), []).append(mapping)
                 stats["prepared"] += 1
+            unpopulated.append(((dev, ino, size), mapping))
+            if not _torch_importing():  # reading back goes on while torch imports; populating waits
+                _populate(unpopulated)
+        else:
+            continue
+        break  # over budget
+    _after_torch_import()
+    _populate(unpopulated)
     return done
+
+
+def _populate(unpopulated: list) -> None:
+    """Fill the page tables of the mappings in ``unpopulated`` that no load took yet (a load
+    faults in what it uses; two threads faulting the same pages get in each other's way)."""
+    for identity, mapping in unpopulated:
+        with _lock:
+            waiting = any(m is mapping for m in _prepared.get(identity, ()))
+        if waiting and not populate(mapping, _first_load):
+            break
+    unpopulated.clear()
+
+
+def _torch_importing() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is None or getattr(getattr(torch, "__spec__", None), "_initializing", False)
 
 
 def _after_torch_import(timeout: float = 60.0) -> None:
     """Wait while torch is being imported: it maps its libraries then, and each of those mmaps
     would wait for our populate (Note [Prefetch])."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not _first_load.is_set():
-        torch = sys.modules.get("torch")
-        spec = getattr(torch, "__spec__", None)
-        if torch is not None and not getattr(spec, "_initializing", False):
-            return
+    while time.monotonic() < deadline and not _first_load.is_set() and _torch_importing():
         time.sleep(0.02)
 
 

@@ -116,16 +116,19 @@ class ColdLoads:
         finally:
             P.close_fds(fds)
 
-    def prefetch(self, conn: socket.socket, message: P.Prefetch, pid: int) -> None:
-        """What this program loaded last time and is cached: Note [Prefetch] in overmind.client.prefetch."""
+    def prefetch(self, conn: socket.socket, message: P.Prefetch, pid: int) -> list:
+        """What this program loaded last time and is cached: Note [Prefetch] in overmind.client.prefetch.
+        Returns the (dev, ino) of every segment handed out."""
         if not isinstance(message.program, str) or len(message.program) > MAX_KEY:
-            return reply_error(conn, P.ErrorCode.BAD_REQUEST, "malformed program")
+            reply_error(conn, P.ErrorCode.BAD_REQUEST, "malformed program")
+            return []
         entries = []
         for key in self.history.last(message.program, pid):
             handles = self.registry.peek(key)
             if handles is not None:
                 entries.append([key, handles])
         P.send_message(conn, P.PrefetchReply(os.getpid(), entries))
+        return [(h[2], h[3]) for _, handles in entries for h in handles if h is not None]
 
     def plain_seconds_of(self, key: str) -> float | None:
         return self.plain_seconds.get(key)

@@ -23,8 +23,11 @@ a time):
   pausing whenever a request comes (``0``: at once, which the tests use to see hits in memfds);
 - at once, without pausing, one of which the page cache holds less than RESIDENT (90 %,
   ``cachestat``, looked at every 0.5 s): its pages are going, and the next hit would read them
-  from disk. A program that loaded it before reads it back meanwhile, while it imports (Note
-  [Reading back a lost file] in overmind.client.prefetch); the two read the same pages.
+  from disk; but not one just handed to a prefetching client (``Prefetch``) in the last
+  READ_BACK_HOLD seconds: that client reads it back itself while it imports (Note [Reading back
+  a lost file] in overmind.client.prefetch), and a copy beside it read the same disk at the same
+  time and took the core its imports leave idle (the server used 3.4-4.6 s of CPU during such a
+  run 2). A copy under way stops when its file is handed out so, and starts over later.
 
 After the copy it checks the file did not change meanwhile (size, mtime and ctime of the very
 fd it copied from), seals the memfd and puts it in every slot that held the file. Clients
@@ -35,9 +38,10 @@ Why not copy at once, as fills did: on this machine fresh memory fills at 0.4 GB
 (``benchmarks/fresh_memory.py``), so the seed's 3.58 GB take 9 core-seconds, and that copy
 beside the user's next run slowed it from 0.82 to 1.02 x plain (``overmind-bench --scenarios
 warmup_curve``, run 2, ``OVERMIND_SETTLE_AFTER=0``). The price: with the page cache emptied
-between runs back to back, run 2 finds the files gone before the copy could start and reads
-them back while it imports (0.69-0.84 x plain; 0.70-0.83 before it read them back, on
-another day; 0.63 copying at once); run 3 has the sealed copies.
+between runs back to back, run 2 finds the files gone before any copy could start and reads
+them back while it imports: by hand, the seed's ControlNet script, fresh servers, 4 trials
+interleaved with plain, runs 1-3 at 1.05, 0.68 and 0.59 x plain (medians) leaving lost files to
+the client, 1.02, 0.79 and 0.60 copying them beside it, 1.07, 0.69 and 0.64 never copying.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ __all__ = ["Settler", "CHUNK"]
 
 CHUNK = 32 << 20  # bytes copied between looks at whether a request came
 _POLL = 0.5  # seconds between looks for work
+READ_BACK_HOLD = 30.0  # seconds a lost file handed to a prefetching client is left to it
 
 
 def _evicted(fd: int, size: int) -> bool:
@@ -77,9 +82,21 @@ class Settler:
         self.settled_bytes = 0
         self.copying: Optional[tuple[int, int]] = None  # (bytes done, size) of the copy under way
         self._given_up: set = set()  # segments that changed or failed: left to the page cache
+        self._read_back: dict = {}  # (dev, ino) -> until when a client is reading it back
 
     def touch(self) -> None:
         self._last_request = time.monotonic()
+
+    def read_back_by_client(self, idents: list) -> None:
+        """A client was just handed these segments to prefetch: it reads back any it finds lost
+        (Note [Reading back a lost file] in overmind.client.prefetch), so a copy of those here would
+        only slow it down (Note [Settling file segments])."""
+        now = time.monotonic()
+        held = {ident: until for ident, until in self._read_back.items() if until > now}
+        self._read_back = {**held, **dict.fromkeys(idents, now + READ_BACK_HOLD)}  # one assignment: no lock
+
+    def _held(self, ident: tuple[int, int]) -> bool:
+        return self._read_back.get(ident, 0.0) > time.monotonic()
 
     def _quiet(self) -> bool:
         return self.idle_after is not None and time.monotonic() - self._last_request >= self.idle_after
@@ -102,7 +119,8 @@ class Settler:
             segments = self.registry.file_segments(skip=self._given_up)
             try:
                 # settle_after None: never a second copy, not even of a file the page cache lost
-                evicted = [s for s in segments if _evicted(s[2], s[1])] if self.idle_after is not None else []
+                evicted = [s for s in segments if not self._held(s[0]) and _evicted(s[2], s[1])] \
+                    if self.idle_after is not None else []
                 chosen = evicted[0] if evicted else segments[0] if segments and self._quiet() else None
                 if chosen is not None:
                     self._settle_one(*chosen, pause=not evicted)
@@ -129,6 +147,8 @@ class Settler:
             while done < size:
                 if self.stopping.is_set() or (pause and not self._wait_idle()):
                     return True  # stopping
+                if not pause and self._held(ident):
+                    return True  # a client reads it back now: the copy waits for a quiet time
                 n = min(CHUNK, size - done)
                 segment.copy_from(source, done, n)
                 done += n
