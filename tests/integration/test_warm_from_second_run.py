@@ -175,6 +175,30 @@ def test_a_lost_file_a_program_was_handed_to_read_back_is_not_copied_beside_it(r
         server.stop()
 
 
+def test_a_lost_file_a_forked_run_was_handed_last_is_copied_at_once(runtime_dir, two_files):
+    script, paths = two_files
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600"})
+    try:
+        _run_two(server, script, paths)
+        server.wait_idle()
+        _run_two(server, script, paths)  # an importing client: the files are left to it
+        before = server.status()["runs"]
+        deadline = time.monotonic() + 60
+        while server.status()["runs"] == before:  # the first `overmind run` runs plainly, and imports
+            assert time.monotonic() < deadline, "no run was forked"
+            proc = subprocess.run([OVERMIND, "run", str(script), *map(str, paths)], env=server.client_env(),
+                                  capture_output=True, text=True, timeout=120, cwd=script.parent)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        _lose(paths[0])
+        # a forked run imports nothing: its next run gains from the sealed copy, not from its own read
+        deadline = time.monotonic() + 20
+        while (status := server.status()["file_segments"])["settled"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status["settled_bytes"] == paths[0].stat().st_size, status
+    finally:
+        server.stop()
+
+
 def test_a_prefetched_entry_whose_file_changed_is_never_used(server, program):
     script, weights = program
     _run(server, script, weights)

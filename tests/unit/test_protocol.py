@@ -116,6 +116,7 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
                           "kwargs": {"run_single_threaded": False, "device_index": -1}}]), b""),
     (P.PlainLoaded(key="k", seconds=0.54), b""),
     (P.Prefetch(program="0" * 32), b""),
+    (P.Prefetch(program="0" * 32, importing=True), b""),
     (P.PrefetchReply(server_pid=9, entries=[["k", [[5, 4096, 45, 1001], None]]]), b""),
     (P.Run(context={"python": "/usr/bin/python3", "env": {"HF_HOME": "/h"}},
            spec={"mode": "script", "target": "/a/b.py", "argv": ["-x"], "cwd": "/a", "env": {"A": "1"}, "umask": 18}),

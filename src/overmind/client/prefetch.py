@@ -181,11 +181,12 @@ os.register_at_fork(after_in_child=_forget_in_child)
 def plan(conn) -> tuple[int, list]:
     """(server pid, [[key, segment handles], ...]): what this program loaded last time."""
     from overmind.shared import protocol as P
+    from overmind.shared.contexts import in_warm_run
 
     program = program_id()
     if not program or conn.proc_pid is None:
         return 0, []
-    reply = conn.simple(P.Prefetch(program), P.PrefetchReply)
+    reply = conn.simple(P.Prefetch(program, importing=not in_warm_run()), P.PrefetchReply)
     return reply.server_pid, reply.entries
 
 

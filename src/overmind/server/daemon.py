@@ -328,7 +328,7 @@ class Server:
         elif isinstance(message, P.PlainLoaded):  # no answer: the client does not wait for one
             self.loads.plain_loaded(message)
         elif isinstance(message, P.Prefetch):
-            self.settler.read_back_by_client(self.loads.prefetch(conn, message, pid))
+            self.settler.handed_to_prefetch(self.loads.prefetch(conn, message, pid), message.importing)
         elif isinstance(message, P.Shutdown):
             P.send_message(conn, P.Ok())
             logger.info("shutdown requested by pid %d", pid)

@@ -71,6 +71,9 @@ class Prefetch(Message):
 
     TYPE: ClassVar[int] = 18
     program: str
+    # the client still imports (not a forked ``overmind run``): it reads back lost files meanwhile
+    # (Note [Settling file segments] in overmind.server.settle)
+    importing: bool = False
 
 
 @message
