@@ -17,10 +17,16 @@ then reads them from disk as plain python would, where a sealed memfd would have
 one thread copies file segments into new memfds (``sendfile``, at idle CPU priority, 32 MiB at
 a time):
 
-- once the server had no request for ``OVERMIND_SETTLE_AFTER`` seconds (5 by default: longer
-  than the gap between a script's start and its loads, so runs back to back are left alone;
-  set empty: never, not even as below), every file segment, most recently used entry first,
-  pausing whenever a request comes (``0``: at once, which the tests use to see hits in memfds);
+- once the server had no request for ``OVERMIND_SETTLE_AFTER`` seconds (30 by default: longer
+  than any gap between requests of runs back to back, so those are left alone; set empty:
+  never, not even as below), every file segment, most recently used entry first, pausing
+  whenever a request comes, until the next such quiet (``0``: at once, which the tests use to
+  see hits in memfds). It was 5 s, which a run's imports (its ``Prefetch`` to its first
+  ``Load``) and the gap to the next run's start both came close to on this machine: the copy
+  crept into runs 3-10 of a back-to-back loop of the seed's ControlNet script with
+  ``monkey_patch_all()``, and those runs took 7.3-8.4 s, against 6.4-6.9 s for the runs it
+  left alone and 7.8 s plain (by hand, ``overmind status`` after each run); at 30 s, runs 2-8
+  took 6.0-6.6 s;
 - at once, without pausing, one of which the page cache holds less than RESIDENT (90 %,
   ``cachestat``, looked at every 0.5 s): its pages are going, and the next hit would read them
   from disk; but not one just handed to a prefetching client that still imports
@@ -130,6 +136,8 @@ class Settler:
                     if self.idle_after is not None else []
                 chosen = evicted[0] if evicted else segments[0] if segments and self._quiet() else None
                 if chosen is not None:
+                    logger.info("copying file segment %d:%d into sealed memory: %s", *chosen[0],
+                                "the page cache lost it" if evicted else "the server is idle")
                     self._settle_one(*chosen, pause=not evicted)
             finally:
                 for _, _, fd in segments:

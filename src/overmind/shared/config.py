@@ -28,7 +28,7 @@ Standard library only (the server imports it)::
                            (default 120 each; ``0``: fills start at once at normal priority).
                            Note [Cold fills wait for their caller] in overmind.server.fill_priority.
 ``OVERMIND_SETTLE_AFTER``  seconds without a request after which the server copies the model
-                           files it serves from into sealed memory (default 5; it copies one
+                           files it serves from into sealed memory (default 30; it copies one
                            at once when the page cache loses it; empty: never, not even then).
                            Note [Settling file segments] in overmind.server.settle.
 ``OVERMIND_NO_AUTOSTART``  ``1``: clients never start a server themselves.
@@ -410,7 +410,7 @@ class Config:
                  "fill_yield", "settle_after", "state_dir", "restore_bytes", "restore_share")
     _DEFAULTS = {"disable": False, "strict": False, "timeout": 300.0, "reply_timeout": 2.0, "loader_timeout": 3600.0,
                  "workers": 2, "autostart": True, "cold_wait": False, "log_level": "INFO", "max_memory": None,
-                 "warm_max": 4, "warm_idle": 1800.0, "warm_memory": 8 << 30, "fill_yield": 120.0, "settle_after": 5.0,
+                 "warm_max": 4, "warm_idle": 1800.0, "warm_memory": 8 << 30, "fill_yield": 120.0, "settle_after": 30.0,
                  "state_dir": None, "restore_bytes": None, "restore_share": 1.0}
 
     runtime_dir: Path
@@ -483,7 +483,7 @@ class Config:
         read("warm_idle", _number, "OVERMIND_WARM_IDLE", 1800.0, 1.0)
         read("warm_memory", _size, "OVERMIND_WARM_MEMORY")
         read("fill_yield", _number, "OVERMIND_FILL_YIELD", 120.0, 0.0)
-        read("settle_after", _optional_number, "OVERMIND_SETTLE_AFTER", 5.0, 0.0)
+        read("settle_after", _optional_number, "OVERMIND_SETTLE_AFTER", 30.0, 0.0)
         read("restore", _restore, "OVERMIND_RESTORE")
         if errors:
             raise ConfigError("; ".join(errors))
