@@ -15,6 +15,23 @@ import pytest
 from ..conftest import REPO, age_files, child_env, run_python
 
 
+def lose_from_page_cache(path: Path) -> None:
+    """Evict ``path`` from the page cache, as another workload's memory needs do, and check it
+    is lost (``cachestat``); skip where the kernel cannot tell (Linux < 6.5)."""
+    from overmind.shared.memfd import RESIDENT, cached_share
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # written just now: dirty pages would stay
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        share = cached_share(fd, path.stat().st_size)
+        if share is None:
+            pytest.skip("this kernel has no cachestat (Linux 6.5): nothing can tell a lost file")
+        assert share < RESIDENT
+    finally:
+        os.close(fd)
+
+
 class ServerProcess:
     def __init__(self, runtime_dir: Path, extra_env: dict | None = None, args: tuple = ()) -> None:
         self.runtime_dir = runtime_dir

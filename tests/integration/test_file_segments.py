@@ -12,7 +12,7 @@ import time
 import torch
 from safetensors.torch import save
 
-from .conftest import ServerProcess, last_json
+from .conftest import ServerProcess, last_json, lose_from_page_cache
 
 LOAD_AND_LOOK = """
 import json, overmind.api
@@ -71,12 +71,7 @@ def test_an_idle_server_settles_file_segments_into_sealed_memory(runtime_dir, mo
 def test_a_file_segment_the_page_cache_lost_is_settled_at_once(runtime_dir, models):
     with _filled(runtime_dir, models, "600") as (server, code, _):
         assert server.wait_idle()["file_segments"]["settled"] == 0
-        fd = os.open(models["lm"] / "model.safetensors", os.O_RDONLY)
-        try:
-            os.fsync(fd)  # dirty pages stay cached: the models were written by this session
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # what another workload's memory needs do
-        finally:
-            os.close(fd)
+        lose_from_page_cache(models["lm"] / "model.safetensors")
         status = _status_until(server, lambda s: s["file_segments"]["settled"] >= 1)
         assert status["file_segments"]["settled"] >= 1 and status["file_segments"]["bytes"] == 0, (status["file_segments"], server.log()[-3000:])
         assert last_json(server.run(code)) == {"equal": True, "maps_file": False, "hit": True}

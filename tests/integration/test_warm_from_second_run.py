@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from ..conftest import age_files
 from overmind.shared.memfd import RESIDENT, cached_share
 
-from .conftest import ServerProcess, last_json
+from .conftest import ServerProcess, last_json, lose_from_page_cache
 
 OVERMIND = str(Path(sys.executable).parent / "overmind")
 
@@ -51,8 +51,8 @@ def program(tmp_path):
     return script, weights
 
 
-def _run(server, script, weights, *more) -> dict:
-    proc = subprocess.run([sys.executable, str(script), str(weights), *more], env=server.client_env(),
+def _run(server, script, *args) -> dict:
+    proc = subprocess.run([sys.executable, str(script), *map(str, args)], env=server.client_env(),
                           capture_output=True, text=True, timeout=120, cwd=script.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Warning: overmind" not in proc.stderr, proc.stderr[-3000:]
@@ -76,13 +76,9 @@ def test_the_next_run_of_a_program_reads_back_a_model_file_the_page_cache_lost(r
     try:
         first = _run(server, script, weights)
         assert server.wait_idle()["file_segments"]["bytes"] == weights.stat().st_size
+        lose_from_page_cache(weights)
         fd = os.open(weights, os.O_RDONLY)
         try:
-            os.fsync(fd)  # written just now: dirty pages would stay
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # what another workload's memory needs do
-            if cached_share(fd, weights.stat().st_size) is None:
-                pytest.skip("this kernel has no cachestat (Linux 6.5): nothing can tell a lost file")
-            assert cached_share(fd, weights.stat().st_size) < RESIDENT
             second = _run(server, script, weights, "expect-prefetch")
             # read back on the prefetch thread (Note [Reading back a lost file]), the hit then equal
             assert second["read_back"] == weights.stat().st_size and second["used"] >= 1, second
@@ -113,19 +109,6 @@ print(json.dumps({"before_torch": before_torch, "sums": sums, **prefetch.stats})
 """
 
 
-def _lose(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # written just now: dirty pages would stay
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # what another workload's memory needs do
-        share = cached_share(fd, path.stat().st_size)
-        if share is None:
-            pytest.skip("this kernel has no cachestat (Linux 6.5): nothing can tell a lost file")
-        assert share < RESIDENT
-    finally:
-        os.close(fd)
-
-
 @pytest.fixture
 def two_files(tmp_path):
     script = tmp_path / "two.py"
@@ -137,22 +120,15 @@ def two_files(tmp_path):
     return script, paths
 
 
-def _run_two(server, script, paths, *more) -> dict:
-    proc = subprocess.run([sys.executable, str(script), *map(str, paths), *more], env=server.client_env(),
-                          capture_output=True, text=True, timeout=120, cwd=script.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return last_json(proc)
-
-
 def test_lost_files_are_read_back_while_the_script_has_not_imported_torch(runtime_dir, two_files):
     script, paths = two_files
     server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": ""})  # the files stay the segments
     try:
-        first = _run_two(server, script, paths)
+        first = _run(server, script, *paths)
         assert server.wait_idle()["file_segments"]["bytes"] == sum(p.stat().st_size for p in paths)
         for path in paths:
-            _lose(path)
-        second = _run_two(server, script, paths, "lost")
+            lose_from_page_cache(path)
+        second = _run(server, script, *paths, "lost")
         # every lost file, not only the first: the mappings wait for torch's import, the reads do not
         assert second["before_torch"] == {"read_back": sum(p.stat().st_size for p in paths), "torch": False}
         assert second["sums"] == first["sums"] and second["used"] == 2
@@ -164,10 +140,10 @@ def test_a_lost_file_a_program_was_handed_to_read_back_is_not_copied_beside_it(r
     script, paths = two_files
     server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600"})  # copies only what the page cache lost
     try:
-        _run_two(server, script, paths)
+        _run(server, script, *paths)
         server.wait_idle()
-        _run_two(server, script, paths)  # its prefetch was handed both files
-        _lose(paths[0])
+        _run(server, script, *paths)  # its prefetch was handed both files
+        lose_from_page_cache(paths[0])
         time.sleep(2.0)  # four looks of the settler, which copies a lost file at once (test_file_segments)
         status = server.status()["file_segments"]
         assert status["settled"] == 0 and status["copying"] is None, status
@@ -179,9 +155,9 @@ def test_a_lost_file_a_forked_run_was_handed_last_is_copied_at_once(runtime_dir,
     script, paths = two_files
     server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600"})
     try:
-        _run_two(server, script, paths)
+        _run(server, script, *paths)
         server.wait_idle()
-        _run_two(server, script, paths)  # an importing client: the files are left to it
+        _run(server, script, *paths)  # an importing client: the files are left to it
         before = server.status()["runs"]
         deadline = time.monotonic() + 60
         while server.status()["runs"] == before:  # the first `overmind run` runs plainly, and imports
@@ -189,7 +165,7 @@ def test_a_lost_file_a_forked_run_was_handed_last_is_copied_at_once(runtime_dir,
             proc = subprocess.run([OVERMIND, "run", str(script), *map(str, paths)], env=server.client_env(),
                                   capture_output=True, text=True, timeout=120, cwd=script.parent)
             assert proc.returncode == 0, proc.stderr[-3000:]
-        _lose(paths[0])
+        lose_from_page_cache(paths[0])
         # a forked run imports nothing: its next run gains from the sealed copy, not from its own read
         deadline = time.monotonic() + 20
         while (status := server.status()["file_segments"])["settled"] == 0 and time.monotonic() < deadline:

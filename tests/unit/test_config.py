@@ -77,7 +77,7 @@ def test_a_bad_value_is_a_config_error_naming_the_variable_and_what_is_accepted(
     assert str(err.value).startswith(f"{name}={value!r} ") and accepted in str(err.value), str(err.value)
 
 
-def test_idle_settling_waits_5_s_by_default_empty_turns_it_off_and_zero_means_at_once():
+def test_idle_settling_waits_30_s_by_default_empty_turns_it_off_and_zero_means_at_once():
     from overmind.shared.config import Config
 
     assert Config.from_env({}).settle_after == 30.0  # Note [Settling file segments] in overmind.server.settle

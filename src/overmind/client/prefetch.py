@@ -45,8 +45,8 @@ the core the imports leave idle: into one reused buffer named READ_BACK_VECTORS 
 ``preadv``, so the GIL is released for up to 2 GiB at a time, not taken back after every buffer
 (each take waits out the importing main thread's switch interval; Segment.read_back). The server
 leaves such a file to the client for a while rather than copy it into sealed memory meanwhile,
-which read the same disk at the same time (Note [Settling file segments]). Reading with the CPU rather than ``sendfile`` to /dev/null
-matters on this VM: the first touch of memory the hypervisor took back costs about as much as
+which read the same disk at the same time (Note [Settling file segments]). Reading with the CPU
+rather than ``sendfile`` to /dev/null matters on this VM: the first touch of memory the hypervisor took back costs about as much as
 the disk read (measured by hand on the seed's UNet, 1.7 GB: brought back by sendfile, its
 first use still took 3.7 s; after a read, 0.1 s), and ``POSIX_FADV_WILLNEED`` reads only the
 readahead window. It goes on past the first load call (the loads' first use needs the pages
@@ -196,34 +196,28 @@ def prepare(server_pid: int, entries: list, budget: int) -> int:
 
     done = 0
     unpopulated: list = []  # (segment identity, mapping): mapped, page tables not yet filled
-    for key, handles in entries:
-        for handle in handles:
-            if handle is None:
-                continue
-            fd, size, dev, ino = handle
-            if done + size > budget:
-                break
-            mapping = None
-            try:
-                with Segment.open_proc(server_pid, fd, size, f"{key[:12]}.prefetch", identity=(dev, ino)) as seg:
-                    stats["read_back"] += seg.read_back()  # Note [Reading back a lost file]
-                    if not _first_load.is_set():  # else the loads map what they need themselves
-                        mapping = seg.map_private()
-            except (OSError, ValueError, Segment.Mismatch) as err:  # evicted meanwhile: the load maps its own
-                logger.debug("not prefetching a segment of %s: %s", key[:16], err)
-                continue
-            done += size
-            if mapping is None:
-                continue
-            with _lock:
-                _prepared.setdefault((dev, ino, size), []).append(mapping)
-                stats["prepared"] += 1
-            unpopulated.append(((dev, ino, size), mapping))
-            if not _torch_importing():  # reading back goes on while torch imports; populating waits
-                _populate(unpopulated)
-        else:
+    for key, handle in ((key, handle) for key, handles in entries for handle in handles if handle is not None):
+        fd, size, dev, ino = handle
+        if done + size > budget:
+            break
+        mapping = None
+        try:
+            with Segment.open_proc(server_pid, fd, size, f"{key[:12]}.prefetch", identity=(dev, ino)) as seg:
+                stats["read_back"] += seg.read_back()  # Note [Reading back a lost file]
+                if not _first_load.is_set():  # else the loads map what they need themselves
+                    mapping = seg.map_private()
+        except (OSError, ValueError, Segment.Mismatch) as err:  # evicted meanwhile: the load maps its own
+            logger.debug("not prefetching a segment of %s: %s", key[:16], err)
             continue
-        break  # over budget
+        done += size
+        if mapping is None:
+            continue
+        with _lock:
+            _prepared.setdefault((dev, ino, size), []).append(mapping)
+            stats["prepared"] += 1
+        unpopulated.append(((dev, ino, size), mapping))
+        if not _torch_importing():  # reading back goes on while torch imports; populating waits
+            _populate(unpopulated)
     _after_torch_import()
     _populate(unpopulated)
     return done
