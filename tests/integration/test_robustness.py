@@ -160,20 +160,26 @@ def test_a_warm_call_against_a_stopped_server_gives_up_at_the_reply_bound_and_lo
     # OVERMIND_TIMEOUT (300 s, which applies only to a cold fill the caller waits for), the
     # warning says so, and the plain load ran and returned the same weights.
     code = LM + '''
+def state():  # of the server: T while stopped
+    return open(f"/proc/{sys.argv[2]}/stat").read().rpartition(")")[2].split()[0]
 first, _, _ = timed(LlamaForCausalLM.from_pretrained, path)
 os.kill(int(sys.argv[2]), 19)  # SIGSTOP: the entry is cached, the server frozen
+before = state()
 second, err, seconds = timed(LlamaForCausalLM.from_pretrained, path)
+after = state()
 strict_result = strict(LlamaForCausalLM.from_pretrained, path)
 os.kill(int(sys.argv[2]), 18)
-report(first=weights(first), second=weights(second), err=repr(err), strict=strict_result)
+report(first=weights(first), second=weights(second), err=repr(err), seconds=seconds, strict=strict_result,
+       server=[before, after])
 '''
     env = server.client_env(OVERMIND_COLD="wait", OVERMIND_REPLY_TIMEOUT="1.25")
     try:
         out = _run_client(code, env, str(models["lm"]), str(server.pid))
     finally:
         server.proc.send_signal(signal.SIGCONT)
-    assert out["first"] == out["second"] and out["err"] == "None"
-    [warning] = out["warnings"]
+    assert out["server"] == ["T", "T"], out  # stopped throughout the second call
+    assert out["first"] == out["second"] and out["err"] == "None", out
+    [warning] = out["warnings"] or [f"no warning: {out}"]
     assert "did not answer within 1.25s" in warning and "loading without the cache" in warning, warning
     assert out["strict"]["type"] == "OvermindError" and "within 1.25s" in out["strict"]["message"], out["strict"]
     assert server.status()["pid"] == server.pid
