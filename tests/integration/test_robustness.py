@@ -160,13 +160,19 @@ def test_a_warm_call_against_a_stopped_server_gives_up_at_the_reply_bound_and_lo
     # OVERMIND_TIMEOUT (300 s, which applies only to a cold fill the caller waits for), the
     # warning says so, and the plain load ran and returned the same weights.
     code = LM + '''
-def state():  # of the server: T while stopped
-    return open(f"/proc/{sys.argv[2]}/stat").read().rpartition(")")[2].split()[0]
+def stopped():  # every thread of the server
+    tasks = f"/proc/{sys.argv[2]}/task"
+    return all(open(f"{tasks}/{t}/stat").read().rpartition(")")[2].split()[0] == "T" for t in os.listdir(tasks))
 first, _, _ = timed(LlamaForCausalLM.from_pretrained, path)
-os.kill(int(sys.argv[2]), 19)  # SIGSTOP: the entry is cached, the server frozen
-before = state()
+# SIGSTOP: the entry is cached, the server frozen. kill() returns before the stop takes effect: a
+# thread that runs first (the one our request wakes) could still answer, so wait for every thread.
+os.kill(int(sys.argv[2]), 19)
+deadline = time.monotonic() + 60
+while not stopped() and time.monotonic() < deadline:
+    time.sleep(0.005)
+before = stopped()
 second, err, seconds = timed(LlamaForCausalLM.from_pretrained, path)
-after = state()
+after = stopped()
 strict_result = strict(LlamaForCausalLM.from_pretrained, path)
 os.kill(int(sys.argv[2]), 18)
 report(first=weights(first), second=weights(second), err=repr(err), seconds=seconds, strict=strict_result,
@@ -177,7 +183,7 @@ report(first=weights(first), second=weights(second), err=repr(err), seconds=seco
         out = _run_client(code, env, str(models["lm"]), str(server.pid))
     finally:
         server.proc.send_signal(signal.SIGCONT)
-    assert out["server"] == ["T", "T"], out  # stopped throughout the second call
+    assert out["server"] == [True, True], out  # stopped throughout the second call
     assert out["first"] == out["second"] and out["err"] == "None", out
     [warning] = out["warnings"] or [f"no warning: {out}"]
     assert "did not answer within 1.25s" in warning and "loading without the cache" in warning, warning
