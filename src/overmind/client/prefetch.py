@@ -46,10 +46,10 @@ the core the imports leave idle: into one reused buffer named READ_BACK_VECTORS 
 (each take waits out the importing main thread's switch interval; Segment.read_back). The server
 leaves such a file to the client for a while rather than copy it into sealed memory meanwhile,
 which read the same disk at the same time (Note [Settling file segments]). Reading with the CPU
-rather than ``sendfile`` to /dev/null matters on this VM: the first touch of memory the hypervisor took back costs about as much as
-the disk read (measured by hand on the seed's UNet, 1.7 GB: brought back by sendfile, its
-first use still took 3.7 s; after a read, 0.1 s), and ``POSIX_FADV_WILLNEED`` reads only the
-readahead window. It goes on past the first load call (the loads' first use needs the pages
+rather than ``sendfile`` to /dev/null matters on this VM: the first touch of memory the
+hypervisor took back costs about as much as the disk read (measured by hand on the seed's UNet,
+1.7 GB: brought back by sendfile, its first use still took 3.7 s; after a read, 0.1 s), and
+``POSIX_FADV_WILLNEED`` reads only the readahead window. It goes on past the first load call (the loads' first use needs the pages
 too), within the same budget. Measured with the seed's ControlNet script, the model's files
 evicted before every run back to back, by hand, fresh servers, runs interleaved with plain
 (median 9.29 s), 4 trials: run 2 took 0.67, 0.63, 0.64 and 0.75 x plain (median 0.68) with the
