@@ -8,18 +8,24 @@ to the next loader's segments, and two fine-tunes of one architecture have ident
 segment sizes, so the client rebuilds model A's skeleton over model B's weights.
 
 Two tiny Llama LMs (one config, seeds 1 and 2) go into a temp folder; a private server gets
-a budget of ``--budget-models`` (1.5) models, so only one fits. ``--workers`` processes,
-patched with ``OVERMIND_COLD=wait``, load A or B at random and hash every tensor; a thread
-here sends ``Evict(all)`` every ``--evict-every`` s on average. Each load is ``correct``,
-``wrong`` (the other model's bytes), ``garbage`` or ``error``; ``cached``: its tensors all
-lie in an overmind memfd; ``plain``: correct but not cached, a fallback to the original
-loader (overmind warns once per process, so mappings are checked, not warnings).
-Exit status 1 if a load was wrong or garbage, else 2 if a load raised or a worker failed.
+a budget of ``--budget-models`` (1.5) entries, so only one fits. An entry's size is measured
+first, by one patched load against a probe server: it is not the file's size (a load_file
+entry of this LM maps the file and copies its tensors under 64 KiB into a memfd beside it,
+1.8 x the file). ``--workers`` processes, patched with ``OVERMIND_COLD=wait``, load A or B
+at random and hash every tensor; a thread here sends ``Evict(all)`` every ``--evict-every``
+s on average. Each load is ``correct``, ``wrong`` (the other model's bytes), ``garbage`` or
+``error``; ``cached``: its tensors all lie in segments that this load mapped from the
+server's reply (memfds or the model file); ``plain``: correct but not cached, a fallback to
+the original loader (overmind warns once per process, so mappings are checked, not warnings).
+Exit status 1 if a load was wrong or garbage, else 2 if a load raised, a worker failed or
+no load was served from the cache (the check would be vacuous).
 
 ``--api load_file`` (default): ``safetensors.torch.load_file(<dir>/model.safetensors)``, a
-cold fill ~60 ms; 5,000 loads take ~3 minutes on 2 cores. ``--api from_pretrained``:
+cold fill ~60 ms; 5,000 loads took 279 s on 2 cores (2026-11-27: 1,001 served from the
+cache, the rest fallbacks after evictions, 0 wrong). ``--api from_pretrained``:
 ``AutoModelForCausalLM.from_pretrained(<dir>)``, same race, but a cold fill of the tiny LM
-took ~1.9 s in the loader here, so the evictor defaults to 1 s and a load costs ~0.6 s.
+took ~1.9 s in the loader here, so the evictor defaults to 1 s; a load took 1.6 s (median
+of 300 with 2 workers).
 ``--widen-ms`` (20; 0: off): workers sleep up to that long between the Entry reply and
 opening its segments, like a descheduled client; without it the race is rarely hit.
 """
@@ -56,19 +62,38 @@ def digest(obj) -> str:
     return h.hexdigest()
 
 
-def in_memfd(obj) -> bool:
-    """Is every tensor's memory inside an overmind segment mapping (a load served by the cache)?"""
-    spans = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            spans.append((lo, hi, len(parts) > 5 and "memfd:overmind" in parts[5]))
-    starts = [s[0] for s in spans]
+# Address ranges of the segments mapped from the server's replies during the current load.
+# A plain load_file maps the model file MAP_PRIVATE too, so /proc/self/maps cannot tell a hit
+# served from a file segment from a fallback: the mappings themselves are recorded.
+mapped: list[tuple[int, int]] = []
+
+
+def record_mappings() -> None:
+    """Record every segment mapping ``Connection.map_segments`` hands back."""
+    import ctypes
+
+    from overmind.client.connection import Connection
+
+    original = Connection.map_segments
+
+    def map_segments(self, *args, **kwargs):
+        mappings = original(self, *args, **kwargs)
+        for m in mappings:
+            if m is not None and len(m):
+                view = ctypes.c_char.from_buffer(m)  # released at once: a live export blocks close()
+                mapped.append((ctypes.addressof(view), len(m)))
+                del view
+        return mappings
+    Connection.map_segments = map_segments
+
+
+def served_by_cache(obj) -> bool:
+    """Does every tensor lie in a segment this load mapped from the server's reply?"""
+    starts = sorted(mapped)
     for t in tensors(obj).values():
         if t.nbytes:
-            i = bisect.bisect_right(starts, t.data_ptr()) - 1
-            if i < 0 or not (t.data_ptr() < spans[i][1] and spans[i][2]):
+            i = bisect.bisect_right(starts, (t.data_ptr(), float("inf"))) - 1
+            if i < 0 or t.data_ptr() + t.nbytes > starts[i][0] + starts[i][1]:
                 return False
     return True
 
@@ -110,9 +135,11 @@ def worker(args: argparse.Namespace, index: int, count: int, paths: list[str], d
     load = loader(args.api)
     if args.widen_ms > 0:
         widen(args.widen_ms)
+    record_mappings()
     rng = random.Random(index)  # its own A/B sequence: fills of both models overlap
     for _ in range(count):
         which = rng.randrange(2)
+        mapped.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             t0 = time.perf_counter()
@@ -125,7 +152,7 @@ def worker(args: argparse.Namespace, index: int, count: int, paths: list[str], d
         d = digest(model)
         result = "correct" if d == digests[which] else "wrong" if d == digests[1 - which] else "garbage"
         warned = [str(w.message)[:300] for w in caught if str(w.message).startswith("overmind:")]
-        print(json.dumps({"result": result, "model": "AB"[which], "cached": in_memfd(model), "seconds": seconds,
+        print(json.dumps({"result": result, "model": "AB"[which], "cached": served_by_cache(model), "seconds": seconds,
                           "warnings": warned}), flush=True)
         del model
 
@@ -135,13 +162,20 @@ def main() -> int:
     parser.add_argument("--loads", type=int, default=5000, help="loads in all, shared by the workers")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--api", choices=("load_file", "from_pretrained"), default="load_file")
-    parser.add_argument("--budget-models", type=float, default=1.5, help="server budget, in model sizes")
+    parser.add_argument("--budget-models", type=float, default=1.5, help="server budget, in entries (one is measured by a probe load)")
     parser.add_argument("--evict-every", type=float, help="mean seconds between Evict(all); 0: none "
                         "(default 0.005, or 1 with --api from_pretrained)")
     parser.add_argument("--widen-ms", type=float, default=20.0, help="max sleep between reply and segment open")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)  # INDEX COUNT PATHS DIGESTS (internal)
+    parser.add_argument("--probe", help=argparse.SUPPRESS)  # PATH: one patched load, to size an entry (internal)
     args = parser.parse_args()
+    if args.probe:
+        import overmind.api
+
+        overmind.api.monkey_patch_all()
+        loader(args.api)(args.probe)
+        return 0
     if args.evict_every is None:
         args.evict_every = 1.0 if args.api == "from_pretrained" else 0.005
     if args.worker:
@@ -172,17 +206,43 @@ def main() -> int:
         digests = [digest(loader(args.api)(p)) for p in paths]  # plain loads: nothing is patched here
         assert digests[0] != digests[1]
         model_bytes = max(sum(f.stat().st_size for f in Path(p).glob("*.safetensors")) for p in paths)
-        budget = int(args.budget_models * model_bytes)
 
-        env = {k: v for k, v in os.environ.items() if k not in ("OVERMIND_STRICT", "OVERMIND_DISABLE")}
-        env.update(OVERMIND_RUNTIME_DIR=str(root / "rt"), OVERMIND_NO_AUTOSTART="1", HF_HUB_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false")
-        server = subprocess.Popen([sys.executable, "-m", "overmind.server", "--foreground", "--max-memory",
-                                   str(budget)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                  start_new_session=True)
-        if "ready" not in server.stdout.readline():
-            log = root / "rt" / "server.log"
-            raise RuntimeError(f"overmind-server did not start:\n{log.read_text()[-2000:] if log.exists() else ''}")
+        def server_env(name: str) -> dict:
+            # Private runtime and state dirs, nothing restored: each server starts empty.
+            env = {k: v for k, v in os.environ.items() if k not in ("OVERMIND_STRICT", "OVERMIND_DISABLE")}
+            env.update(OVERMIND_RUNTIME_DIR=str(root / name), OVERMIND_STATE_DIR=str(root / f"{name}-state"),
+                       OVERMIND_RESTORE="0", OVERMIND_NO_AUTOSTART="1", HF_HUB_OFFLINE="1",
+                       TOKENIZERS_PARALLELISM="false")
+            return env
+
+        def start_server(env: dict, budget: int) -> subprocess.Popen:
+            proc = subprocess.Popen([sys.executable, "-m", "overmind.server", "--foreground", "--max-memory",
+                                     str(budget)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                    text=True, start_new_session=True)
+            if "ready" not in proc.stdout.readline():
+                log = Path(env["OVERMIND_RUNTIME_DIR"]) / "server.log"
+                raise RuntimeError(f"overmind-server did not start:\n{log.read_text()[-2000:] if log.exists() else ''}")
+            return proc
+
+        # The budget is in entries as the server counts them, so it is measured: one patched load
+        # against a probe server with room to spare.
+        probe_env = server_env("probe")
+        server = start_server(probe_env, 64 * model_bytes)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--api", args.api, "--probe", paths[0]],
+                       env={**probe_env, "OVERMIND_COLD": "wait", "OMP_NUM_THREADS": "1"}, check=True)
+        with Connection.open(Config.from_env(probe_env), role="cli", autostart=False) as conn:
+            entry_bytes = conn.simple(P.Status(), P.StatusReply).info["bytes"]
+            conn.simple(P.Shutdown(), P.Ok)
+        server.wait(timeout=30)
+        server = None
+        if not entry_bytes:
+            raise RuntimeError("the probe load left nothing in the cache; see the probe's warnings above")
+        budget = int(args.budget_models * entry_bytes)
+        print(f"one entry: {entry_bytes} bytes (the model file: {model_bytes}); budget {budget} bytes",
+              file=sys.stderr, flush=True)
+
+        env = server_env("rt")
+        server = start_server(env, budget)
         config = Config.from_env(env)
         evicted = [0, 0]  # Evict(all) requests, entries they dropped
 
@@ -245,7 +305,8 @@ def main() -> int:
         times.sort()
         results = {
             **counts, "elapsed_s": round(elapsed, 1), "workers": args.workers, "api": args.api,
-            "widen_ms": args.widen_ms, "evict_every_s": args.evict_every, "model_bytes": model_bytes, "budget": budget,
+            "widen_ms": args.widen_ms, "evict_every_s": args.evict_every, "model_bytes": model_bytes,
+            "entry_bytes": entry_bytes, "budget": budget,
             "evict_alls": evicted[0], "evicted_by_evictor": evicted[1], "server_hits": status["hits"],
             "server_misses": status["misses"], "server_evictions": status["evictions"],
             "load_ms_median": round(1e3 * times[len(times) // 2], 2) if times else None,
@@ -263,6 +324,9 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(results, indent=1))
         if counts["wrong"] + counts["garbage"]:
             return 1
+        if not counts["cached"]:
+            print("no load was served from the cache: the check exercised nothing", file=sys.stderr)
+            return 2
         return 2 if counts["error"] or failed or counts["loads"] != args.loads else 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
