@@ -162,7 +162,8 @@ def main() -> int:
     parser.add_argument("--loads", type=int, default=5000, help="loads in all, shared by the workers")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--api", choices=("load_file", "from_pretrained"), default="load_file")
-    parser.add_argument("--budget-models", type=float, default=1.5, help="server budget, in entries (one is measured by a probe load)")
+    parser.add_argument("--budget-models", type=float, default=1.5,
+                        help="server budget, in entries (one is measured by a probe load)")
     parser.add_argument("--evict-every", type=float, help="mean seconds between Evict(all); 0: none "
                         "(default 0.005, or 1 with --api from_pretrained)")
     parser.add_argument("--widen-ms", type=float, default=20.0, help="max sleep between reply and segment open")
