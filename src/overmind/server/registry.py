@@ -366,8 +366,8 @@ class Registry:
     def file_bytes(self) -> int:
         """Bytes of the distinct file segments still served from the page cache."""
         with self._lock:
-            return sum(size for (dev, ino), (size, _) in self._holders().items()
-                       if any((dev, ino) in e.files for e in self._entries.values()))
+            files = set().union(*(entry.files for entry in self._entries.values()))
+            return sum(size for ident, (size, _) in self._holders().items() if ident in files)
 
     # -- membership ------------------------------------------------------------------------
 
