@@ -600,6 +600,42 @@ def test_a_warm_interpreters_index_finds_names_bound_before_and_after_it_without
     )
 
 
+def test_a_child_patches_from_the_index_while_another_thread_imports(fakeuser: Path) -> None:
+    """A forked run's prefetch thread (or the user's own) imports while monkey_patch_all() reads
+    the index: reading the tail of sys.modules must not iterate the live dict ("dictionary changed
+    size during iteration" made monkey_patch_all() raise in a warm run)."""
+    (fakeuser / "fakelib" / "late.py").write_text("from fakelib.loaders import load as late_load\n")
+    run_script(
+        """
+        import sys, threading, types
+        from fakelib import loaders, user
+        patching.index_bound_names([P("fakelib.loaders::load")])  # the warm interpreter, before it forks
+        for i in range(2000):  # the child imported its script's modules before it patches
+            sys.modules[f"_om_new_{i}"] = types.ModuleType(f"_om_new_{i}")
+        from fakelib import late
+        stop = threading.Event()
+
+        def imports():  # another thread importing all along
+            i = 0
+            while not stop.is_set():
+                sys.modules[f"_om_churn_{i}"] = types.ModuleType(f"_om_churn_{i}")
+                i += 1
+        sys.setswitchinterval(1e-5)  # switch often: the pass over the tail is short
+        thread = threading.Thread(target=imports)
+        thread.start()
+        try:
+            for _ in range(3):
+                patching.patch([P("fakelib.loaders::load")], factory)
+                assert late.late_load is loaders.load and user.fetch is loaders.load
+                patching.unpatch_all()
+        finally:
+            stop.set()
+            thread.join()
+        """,
+        fakeuser,
+    )
+
+
 def test_unpatch_leaves_an_alias_rebound_since_patching(fakeuser: Path) -> None:
     run_script(
         """

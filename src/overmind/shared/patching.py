@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import keyword
 import logging
 import sys
@@ -382,9 +383,10 @@ def index_bound_names(points: Iterable[PatchPoint]) -> None:
         func = getattr(module, point.qualname, None)
         if isinstance(func, types.FunctionType):
             functions[id(func)] = func
-    modules = list(sys.modules.values())
+    loaded = dict(sys.modules)  # one copy: the count and the last name must agree (see _from_index)
+    modules = list(loaded.values())
     found = _bound_in(modules, {ident: _Target(func) for ident, func in functions.items()})
-    _bound_index = (len(modules), next(reversed(sys.modules), None), functions,
+    _bound_index = (len(modules), next(reversed(loaded), None), functions,
                     [(namespace, attr, target.original) for namespace, attr, target in found])
 
 
@@ -396,16 +398,19 @@ def _from_index(targets: dict) -> Optional[list]:
     count, last_key, functions, places = _bound_index
     if any(functions.get(ident) is not target.original for ident, target in targets.items()):
         return None
-    new = len(sys.modules) - count
-    if new < 0:
-        return None
-    tail = []
-    for position, name in enumerate(reversed(sys.modules)):  # only the new names and one more
-        if position == new:
-            if name != last_key:
-                return None  # something before it was removed: the tail is not just what is new
+    for _ in range(3):
+        new = len(sys.modules) - count
+        if new < 0:
+            return None
+        # The new names and one more, copied in C without a thread switch: another thread (the
+        # prefetch thread, the user's own) may be importing, and a Python loop over the live dict
+        # then raises. Only the tail: a reference to every name would copy their shared pages.
+        names = list(itertools.islice(reversed(sys.modules), new + 1))
+        if count == 0 or names[new:] == [last_key]:
+            tail = names[:new]
             break
-        tail.append(name)
+    else:  # a module came between the two reads each time, or one indexed was removed
+        return None
     found = [(namespace, attr, targets[id(func)]) for namespace, attr, func in places
              if id(func) in targets and namespace.get(attr) is func]
     return found + _bound_in([sys.modules.get(name) for name in tail], targets)
