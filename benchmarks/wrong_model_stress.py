@@ -196,6 +196,7 @@ def main() -> int:
         from transformers.utils import logging as hf_logging
 
         from overmind import modelgen
+        from overmind.bench.harness import BenchServer
         from overmind.shared import protocol as P
         from overmind.client.connection import Connection
         from overmind.shared.config import Config
@@ -208,42 +209,28 @@ def main() -> int:
         assert digests[0] != digests[1]
         model_bytes = max(sum(f.stat().st_size for f in Path(p).glob("*.safetensors")) for p in paths)
 
-        def server_env(name: str) -> dict:
-            # Private runtime and state dirs, nothing restored: each server starts empty.
-            env = {k: v for k, v in os.environ.items() if k not in ("OVERMIND_STRICT", "OVERMIND_DISABLE")}
-            env.update(OVERMIND_RUNTIME_DIR=str(root / name), OVERMIND_STATE_DIR=str(root / f"{name}-state"),
-                       OVERMIND_RESTORE="0", OVERMIND_NO_AUTOSTART="1", HF_HUB_OFFLINE="1",
-                       TOKENIZERS_PARALLELISM="false")
-            return env
-
-        def start_server(env: dict, budget: int) -> subprocess.Popen:
-            proc = subprocess.Popen([sys.executable, "-m", "overmind.server", "--foreground", "--max-memory",
-                                     str(budget)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                    text=True, start_new_session=True)
-            if "ready" not in proc.stdout.readline():
-                log = Path(env["OVERMIND_RUNTIME_DIR"]) / "server.log"
-                raise RuntimeError(f"overmind-server did not start:\n{log.read_text()[-2000:] if log.exists() else ''}")
-            return proc
-
         # The budget is in entries as the server counts them, so it is measured: one patched load
-        # against a probe server with room to spare.
-        probe_env = server_env("probe")
-        server = start_server(probe_env, 64 * model_bytes)
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--api", args.api, "--probe", paths[0]],
-                       env={**probe_env, "OVERMIND_COLD": "wait", "OMP_NUM_THREADS": "1"}, check=True)
-        with Connection.open(Config.from_env(probe_env), role="cli", autostart=False) as conn:
-            entry_bytes = conn.simple(P.Status(), P.StatusReply).info["bytes"]
-            conn.simple(P.Shutdown(), P.Ok)
-        server.wait(timeout=30)
-        server = None
+        # against a probe server with the default budget (half of RAM).
+        with BenchServer.start({"OVERMIND_RESTORE": "0"}) as probe:
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--api", args.api, "--probe", paths[0]],
+                           env=probe.client_env({"OVERMIND_COLD": "wait", "OMP_NUM_THREADS": "1"}), check=True)
+            entry_bytes = probe.status()["bytes"]
         if not entry_bytes:
             raise RuntimeError("the probe load left nothing in the cache; see the probe's warnings above")
         budget = int(args.budget_models * entry_bytes)
         print(f"one entry: {entry_bytes} bytes (the model file: {model_bytes}); budget {budget} bytes",
               file=sys.stderr, flush=True)
 
-        env = server_env("rt")
-        server = start_server(env, budget)
+        env = {k: v for k, v in os.environ.items() if k not in ("OVERMIND_STRICT", "OVERMIND_DISABLE")}
+        # Private runtime and state dirs, nothing restored: the server starts empty.
+        env.update(OVERMIND_RUNTIME_DIR=str(root / "rt"), OVERMIND_STATE_DIR=str(root / "state"), OVERMIND_RESTORE="0",
+                   OVERMIND_NO_AUTOSTART="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        server = subprocess.Popen([sys.executable, "-m", "overmind.server", "--foreground", "--max-memory",
+                                   str(budget)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                  start_new_session=True)
+        if "ready" not in server.stdout.readline():
+            log = root / "rt" / "server.log"
+            raise RuntimeError(f"overmind-server did not start:\n{log.read_text()[-2000:] if log.exists() else ''}")
         config = Config.from_env(env)
         evicted = [0, 0]  # Evict(all) requests, entries they dropped
 
