@@ -49,22 +49,23 @@ which read the same disk at the same time (Note [Settling file segments]). Readi
 rather than ``sendfile`` to /dev/null matters on this VM: the first touch of memory the
 hypervisor took back costs about as much as the disk read (measured by hand on the seed's UNet,
 1.7 GB: brought back by sendfile, its first use still took 3.7 s; after a read, 0.1 s), and
-``POSIX_FADV_WILLNEED`` reads only the readahead window. It goes on past the first load call (the loads' first use needs the pages
-too), within the same budget. Measured with the seed's ControlNet script, the model's files
-evicted before every run back to back, by hand, fresh servers, runs interleaved with plain
-(median 9.29 s), 4 trials: run 2 took 0.67, 0.63, 0.64 and 0.75 x plain (median 0.68) with the
-read at once, vectored and left to the client; 0.69-0.72 x when the read waited for torch's
-import, one buffer per read, beside the server's own copy.
+``POSIX_FADV_WILLNEED`` reads only the readahead window. It goes on past the first load call
+(the loads' first use needs the pages too), within the same budget. Measured with the seed's
+ControlNet script, the model's files evicted before every run back to back, by hand, fresh
+servers, runs interleaved with plain (median 9.29 s), 4 trials: run 2 took 0.67, 0.63, 0.64 and
+0.75 x plain (median 0.68) with the read at once, vectored and left to the client; 0.69-0.72 x
+when the read waited for torch's import, one buffer per read, beside the server's own copy.
 
 Note [Teaching the interpreter while importing]
-In a program's first run with this server (no history for it), the same thread tells the
-server, every REPORT_INTERVAL while the script imports and once more as its first load
-begins, which modules it has imported since it last said (``Prepare.modules``; the names
-only: see ``new_module_names``). A program with history taught them when it first ran, and
-reporting costs a warm run's imports about 0.1 s on 2 cores (measured on the seed's script). The context's warm interpreter imports them too, on the core this
-script leaves idle, so the cache fills that the first load starts fork from an interpreter
-that already holds diffusers or transformers, and the next ``overmind run`` of the script
-finds everything imported (Note [Warm interpreters learn] in overmind.warm.interpreter).
+In a program's first run with this server (no history for it), the same thread tells the server,
+every REPORT_INTERVAL while the script imports and once more as its first load begins, which
+modules it has imported since it last said (``Prepare.modules``; the names only: see
+``new_module_names``). A program with history taught them when it first ran, and reporting costs
+a warm run's imports about 0.1 s on 2 cores (measured on the seed's script). The context's warm
+interpreter imports them too, on the core this script leaves idle, so the cache fills that the
+first load starts fork from an interpreter that already holds diffusers or transformers, and the
+next ``overmind run`` of the script finds everything imported (Note [Warm interpreters learn] in
+overmind.warm.interpreter).
 """
 
 from __future__ import annotations
