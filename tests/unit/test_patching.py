@@ -601,9 +601,9 @@ def test_a_warm_interpreters_index_finds_names_bound_before_and_after_it_without
 
 
 def test_a_child_patches_from_the_index_while_another_thread_imports(fakeuser: Path) -> None:
-    """A forked run's prefetch thread (or the user's own) imports while monkey_patch_all() reads
-    the index: reading the tail of sys.modules must not iterate the live dict ("dictionary changed
-    size during iteration" made monkey_patch_all() raise in a warm run)."""
+    """The warm-up thread that monkey_patch_all()'s first wrapper starts (or the user's own) imports
+    while the child reads the index: reading the tail of sys.modules must not iterate the live dict
+    ("dictionary changed size during iteration" made monkey_patch_all() raise in a warm run)."""
     (fakeuser / "fakelib" / "late.py").write_text("from fakelib.loaders import load as late_load\n")
     run_script(
         """

@@ -403,8 +403,9 @@ def _from_index(targets: dict) -> Optional[list]:
         if new < 0:
             return None
         # The new names and one more, copied in C without a thread switch: another thread (the
-        # prefetch thread, the user's own) may be importing, and a Python loop over the live dict
-        # then raises. Only the tail: a reference to every name would copy their shared pages.
+        # warm-up thread the first wrapper starts, the user's own) may be importing, and a Python
+        # loop over the live dict then raises. Only the tail: a reference to every name would
+        # copy their shared pages.
         names = list(itertools.islice(reversed(sys.modules), new + 1))
         if count == 0 or names[new:] == [last_key]:
             tail = names[:new]
