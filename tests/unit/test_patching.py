@@ -615,19 +615,21 @@ def test_a_child_patches_from_the_index_while_another_thread_imports(fakeuser: P
         from fakelib import late
         stop = threading.Event()
 
-        def imports():  # another thread importing all along
-            i = 0
-            while not stop.is_set():
-                sys.modules[f"_om_churn_{i}"] = types.ModuleType(f"_om_churn_{i}")
-                i += 1
-        sys.setswitchinterval(1e-5)  # switch often: the pass over the tail is short
+        def imports():  # another thread importing (and dropping, to stay bounded) all along
+            churn = types.ModuleType("_om_churn")
+            while not stop.is_set():  # one change per pass: a switch can come after either
+                if sys.modules.pop("_om_churn", None) is None:
+                    sys.modules["_om_churn"] = churn
+        sys.setswitchinterval(1e-5)  # switch often: the window is one bytecode wide
         thread = threading.Thread(target=imports)
         thread.start()
         try:
-            for _ in range(3):
+            for _ in range(200):
                 patching.patch([P("fakelib.loaders::load")], factory)
-                assert late.late_load is loaders.load and user.fetch is loaders.load
+                guard = loaders.load
+                assert late.late_load is guard and user.fetch is guard and user.load is guard
                 patching.unpatch_all()
+                assert late.late_load is loaders.load and user.fetch is loaders.load
         finally:
             stop.set()
             thread.join()

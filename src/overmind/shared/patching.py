@@ -402,15 +402,18 @@ def _from_index(targets: dict) -> Optional[list]:
         new = len(sys.modules) - count
         if new < 0:
             return None
-        # The new names and one more, copied in C without a thread switch: another thread (the
-        # warm-up thread the first wrapper starts, the user's own) may be importing, and a Python
-        # loop over the live dict then raises. Only the tail: a reference to every name would
-        # copy their shared pages.
-        names = list(itertools.islice(reversed(sys.modules), new + 1))
+        # The new names and one more. Another thread (the warm-up thread the first wrapper
+        # starts, the user's own) may be importing: the copy runs in C, but the interpreter can
+        # switch threads between making the iterator and reading it, and the read then raises;
+        # try again. Only the tail: a reference to every name would copy their shared pages.
+        try:
+            names = list(itertools.islice(reversed(sys.modules), new + 1))
+        except RuntimeError:  # "dictionary changed size during iteration"
+            continue
         if count == 0 or names[new:] == [last_key]:
             tail = names[:new]
             break
-    else:  # a module came between the two reads each time, or one indexed was removed
+    else:  # a module came during the reads each time, or one indexed was removed
         return None
     found = [(namespace, attr, targets[id(func)]) for namespace, attr, func in places
              if id(func) in targets and namespace.get(attr) is func]
