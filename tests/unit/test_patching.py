@@ -602,8 +602,9 @@ def test_a_warm_interpreters_index_finds_names_bound_before_and_after_it_without
 
 def test_a_child_patches_from_the_index_while_another_thread_imports(fakeuser: Path) -> None:
     """The warm-up thread that monkey_patch_all()'s first wrapper starts (or the user's own) imports
-    while the child reads the index: reading the tail of sys.modules must not iterate the live dict
-    ("dictionary changed size during iteration" made monkey_patch_all() raise in a warm run)."""
+    while the child reads the index: neither reading the tail of sys.modules nor the globals of a
+    module being executed may fail ("dictionary changed size during iteration" made
+    monkey_patch_all() raise in a warm run)."""
     (fakeuser / "fakelib" / "late.py").write_text("from fakelib.loaders import load as late_load\n")
     run_script(
         """
@@ -613,18 +614,21 @@ def test_a_child_patches_from_the_index_while_another_thread_imports(fakeuser: P
         for i in range(2000):  # the child imported its script's modules before it patches
             sys.modules[f"_om_new_{i}"] = types.ModuleType(f"_om_new_{i}")
         from fakelib import late
+        busy = sys.modules["_om_busy"] = types.ModuleType("_om_busy")  # being executed by the thread
         stop = threading.Event()
 
         def imports():  # another thread importing (and dropping, to stay bounded) all along
             churn = types.ModuleType("_om_churn")
-            while not stop.is_set():  # one change per pass: a switch can come after either
+            while not stop.is_set():  # one change per dict per pass: a switch can come after either
                 if sys.modules.pop("_om_churn", None) is None:
                     sys.modules["_om_churn"] = churn
+                if busy.__dict__.pop("value", None) is None:
+                    busy.value = 1
         sys.setswitchinterval(1e-5)  # switch often: the window is one bytecode wide
         thread = threading.Thread(target=imports)
         thread.start()
         try:
-            for _ in range(200):
+            for _ in range(1000):
                 patching.patch([P("fakelib.loaders::load")], factory)
                 guard = loaders.load
                 assert late.late_load is guard and user.fetch is guard and user.load is guard

@@ -342,7 +342,11 @@ def _bound_in(modules: list, targets: dict) -> list:
         if not isinstance(module, types.ModuleType):
             continue  # sys.modules may hold other objects; their __dict__ could be anything
         namespace = module.__dict__
-        if targets.keys().isdisjoint(map(id, namespace.values())):
+        try:
+            disjoint = targets.keys().isdisjoint(map(id, namespace.values()))
+        except RuntimeError:  # another thread is executing this module (its import): read a copy
+            disjoint = targets.keys().isdisjoint(map(id, namespace.copy().values()))
+        if disjoint:
             continue
         modname = namespace.get("__name__")
         if not isinstance(modname, str) or modname in ("__main__", "__mp_main__") \
