@@ -17,7 +17,8 @@ instead of falling back to a plain load), ``OVERMIND_TIMEOUT`` (seconds),
 Note [Never worse than no cache]
 If anything on the cache path fails (no server, a timeout, a garbled reply, a result
 that cannot be cached), the original loader runs in the calling process and one warning
-per process says why. A call whose arguments cannot be keyed (``overmind.shared.calls``) goes
+per process says why. If patching itself fails, ``monkey_patch_all()`` undoes it, warns
+and returns: the script runs as plain python. A call whose arguments cannot be keyed (``overmind.shared.calls``) goes
 straight to the original without a warning, and so does one whose original raised in the
 loader: it most likely raises here as well, and the plain call would warn nothing. So does
 one whose result cannot be rebuilt from the cache, even under ``OVERMIND_STRICT=1``: plain
@@ -167,7 +168,7 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
     Idempotent; imports none of the patched libraries (see the module docstring).
     """
-    from overmind.shared.config import extra_patch_points, patching_disabled, prestart_enabled, quick_exit_enabled
+    from overmind.shared.config import extra_patch_points, flag, patching_disabled, prestart_enabled, quick_exit_enabled
 
     if patching_disabled():
         return
@@ -182,7 +183,17 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
     extra_env = extra_patch_points()
     points += patching.parse_patch_specs(extra_env) if extra_env.strip() else []
     points += [patching.PatchPoint.parse(p) for p in extra]
-    patching.patch(points, _make_wrapper)
+    try:
+        patching.patch(points, _make_wrapper)
+    except Exception as err:  # Note [Never worse than no cache]: a fault of ours must not stop the script
+        patching.unpatch_all()  # all or nothing: no loader half patched
+        if flag("OVERMIND_STRICT"):
+            raise
+        import warnings
+
+        warnings.warn(f"overmind: patching the loaders failed ({type(err).__name__}: {err}); running without "
+                      "the cache", RuntimeWarning, stacklevel=2)
+        return
     if quick_exit_enabled():
         from overmind.shared import teardown
 

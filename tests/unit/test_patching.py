@@ -642,6 +642,43 @@ def test_a_child_patches_from_the_index_while_another_thread_imports(fakeuser: P
     )
 
 
+def test_monkey_patch_all_undoes_a_failed_patch_warns_and_lets_the_script_run(fakeuser: Path) -> None:
+    """A fault in patching must not stop the user's script at its first line (Note [Never worse than
+    no cache]): nothing stays patched, one warning says why; OVERMIND_STRICT=1 raises."""
+    run_script(
+        """
+        import os, warnings
+        os.environ.update(OVERMIND_PRESTART="0", OVERMIND_QUICK_EXIT="0")
+        import overmind.api
+        from fakelib import loaders, user
+        original = loaders.load
+
+        def fault(modules, targets):
+            raise RuntimeError("injected fault")
+        patching._bound_in = fault  # the pass over names bound before patching
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            overmind.api.monkey_patch_all(extra=["fakelib.loaders::load"])
+        assert loaders.load is original and user.fetch is original and user.load is original
+        assert not patching.patched_points() and not patching.pending_points()
+        assert not any(isinstance(f, patching._PatchFinder) for f in sys.meta_path)
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(messages) == 1 and "injected fault" in messages[0] \
+            and "running without the cache" in messages[0], messages
+
+        os.environ["OVERMIND_STRICT"] = "1"
+        try:
+            overmind.api.monkey_patch_all(extra=["fakelib.loaders::load"])
+        except RuntimeError as err:
+            assert "injected fault" in str(err)
+        else:
+            raise AssertionError("OVERMIND_STRICT=1 must raise")
+        assert loaders.load is original and not patching.patched_points()
+        """,
+        fakeuser,
+    )
+
+
 def test_unpatch_leaves_an_alias_rebound_since_patching(fakeuser: Path) -> None:
     run_script(
         """
