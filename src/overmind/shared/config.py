@@ -462,6 +462,7 @@ class Config:
         a bad yes/no value warns (or goes to ``notes``) and acts as its default: Note [A bad
         setting never stops a script]."""
         env = os.environ if env is None else env
+        default = cls._DEFAULTS  # each default written once
         values: dict = {}
         errors: list[str] = []
 
@@ -472,18 +473,18 @@ class Config:
                 errors.append(str(err))
 
         strict = _flag(env, "OVERMIND_STRICT", notes=notes)
-        read("timeout", _number, "OVERMIND_TIMEOUT", 300.0, 0.1)
-        read("reply_timeout", _number, "OVERMIND_REPLY_TIMEOUT", 2.0, 0.1)
-        read("loader_timeout", _number, "OVERMIND_LOADER_TIMEOUT", 3600.0, 1.0)
-        read("workers", _number, "OVERMIND_WORKERS", 2, 1, True)
+        read("timeout", _number, "OVERMIND_TIMEOUT", default["timeout"], 0.1)
+        read("reply_timeout", _number, "OVERMIND_REPLY_TIMEOUT", default["reply_timeout"], 0.1)
+        read("loader_timeout", _number, "OVERMIND_LOADER_TIMEOUT", default["loader_timeout"], 1.0)
+        read("workers", _number, "OVERMIND_WORKERS", default["workers"], 1, True)
         read("cold", _choice, "OVERMIND_COLD", COLD_MODES, "background")
-        read("log_level", _choice, "OVERMIND_LOG_LEVEL", LOG_LEVELS, "INFO", str.upper)
+        read("log_level", _choice, "OVERMIND_LOG_LEVEL", LOG_LEVELS, default["log_level"], str.upper)
         read("max_memory", _size, "OVERMIND_MAX_MEMORY")
-        read("warm_max", _number, "OVERMIND_WARM_MAX", 4, 1, True)
-        read("warm_idle", _number, "OVERMIND_WARM_IDLE", 1800.0, 1.0)
+        read("warm_max", _number, "OVERMIND_WARM_MAX", default["warm_max"], 1, True)
+        read("warm_idle", _number, "OVERMIND_WARM_IDLE", default["warm_idle"], 1.0)
         read("warm_memory", _size, "OVERMIND_WARM_MEMORY")
-        read("fill_yield", _number, "OVERMIND_FILL_YIELD", 120.0, 0.0)
-        read("settle_after", _optional_number, "OVERMIND_SETTLE_AFTER", 30.0, 0.0)
+        read("fill_yield", _number, "OVERMIND_FILL_YIELD", default["fill_yield"], 0.0)
+        read("settle_after", _optional_number, "OVERMIND_SETTLE_AFTER", default["settle_after"], 0.0)
         read("restore", _restore, "OVERMIND_RESTORE")
         if errors:
             raise ConfigError("; ".join(errors))
@@ -497,7 +498,7 @@ class Config:
             strict=strict,
             autostart=not _flag(env, "OVERMIND_NO_AUTOSTART", notes=notes),
             cold_wait=values.pop("cold") == "wait" or strict,
-            **{**values, "warm_memory": values["warm_memory"] or 8 << 30},
+            **{**values, "warm_memory": values["warm_memory"] or default["warm_memory"]},
         )
 
     @property
