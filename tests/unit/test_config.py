@@ -111,3 +111,11 @@ def test_the_environment_that_selects_an_interpreter_leaves_a_terminals_own_vari
            "DISPLAY": ":0", "SSH_TTY": "/dev/pts/1", "TERM": "xterm", "MY_SCRIPT_FLAG": "x"}
     assert selecting_environment(env) == {"TORCH_HOME": "/t", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "/p",
                                           "OMP_NUM_THREADS": "2"}
+
+
+def test_an_empty_environment_reads_as_the_defaults_a_config_is_built_with():
+    from overmind.shared.config import Config
+
+    read = Config.from_env({"HOME": "/home/someone"})
+    built = Config(read.runtime_dir, state_dir=read.state_dir)
+    assert read == built, (read, built)
