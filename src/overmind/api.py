@@ -18,11 +18,12 @@ Note [Never worse than no cache]
 If anything on the cache path fails (no server, a timeout, a garbled reply, a result
 that cannot be cached), the original loader runs in the calling process and one warning
 per process says why. If patching itself fails, ``monkey_patch_all()`` undoes it, warns
-and returns: the script runs as plain python. A call whose arguments cannot be keyed (``overmind.shared.calls``) goes
-straight to the original without a warning, and so does one whose original raised in the
-loader: it most likely raises here as well, and the plain call would warn nothing. So does
-one whose result cannot be rebuilt from the cache, even under ``OVERMIND_STRICT=1``: plain
-python loads it fine (Note [Results that cannot be rebuilt] in overmind.shared.quirks).
+and returns: the script runs as plain python. A call whose arguments cannot be keyed
+(``overmind.shared.calls``) goes straight to the original without a warning, and so does
+one whose original raised in the loader: it most likely raises here as well, and the plain
+call would warn nothing. So does one whose result cannot be rebuilt from the cache, even
+under ``OVERMIND_STRICT=1``: plain python loads it fine (Note [Results that cannot be rebuilt]
+in overmind.shared.quirks).
 """
 
 from __future__ import annotations
