@@ -68,3 +68,23 @@ def run_python(code: str, *, env: dict | None = None, timeout: float = 180, chec
 @pytest.fixture
 def python():
     return run_python
+
+
+def build_shared_library(source: Path, out: Path) -> Path:
+    """``cc -shared`` of one C file (the tests' shims and stand-ins for native libraries)."""
+    import shutil
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("needs a C compiler")
+    subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(out), str(source), "-ldl", "-lpthread"], check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def many_cpus(tmp_path_factory) -> dict:
+    """The environment that makes a process see 16 CPUs on this machine (tests/shims/many_cpus.c,
+    preloaded): what thread pools size themselves from on a user's 16-core host."""
+    shim = build_shared_library(REPO / "tests" / "shims" / "many_cpus.c",
+                                tmp_path_factory.mktemp("shim") / "libmany_cpus.so")
+    return {"LD_PRELOAD": str(shim)}

@@ -386,7 +386,7 @@ def test_status_lists_the_warm_interpreters(warm_server):
 
 
 def test_a_module_that_starts_a_thread_is_never_forked_past(warm_server, tmp_path):
-    # Note [Forking past torch's thread]: an installed module whose import starts a thread makes
+    # Note [Threads libraries start]: an installed module whose import starts a thread makes
     # its interpreter refuse to fork; the context settles on interpreters without it.
     name = f"overmind_test_threader_{os.getpid()}"
     path = Path(sysconfig.get_paths()["purelib"]) / f"{name}.py"
@@ -408,6 +408,6 @@ def test_a_module_that_starts_a_thread_is_never_forked_past(warm_server, tmp_pat
                 break
             time.sleep(0.5)
         assert all(f for f, _ in outputs[-2:]), outputs  # settled: forked again, without the module
-        assert "started a thread: this interpreter will not fork again" in warm_server.log()
+        assert f"in {name}: {name} is kept out of this context's warm interpreters" in warm_server.log()
     finally:
         path.unlink()

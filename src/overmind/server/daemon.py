@@ -363,6 +363,7 @@ class Server:
                 "torch_imported": "torch" in sys.modules}
         info["bytes"] = info["used"] = self.registry.used()
         info["loaders"] = self.pool.describe()
+        info["warm_retired"] = self.pool.retired
         info["settling"] = self.pool.settling()  # Note [Huge pages for segments] in overmind.shared.memfd
         info.update(self.loads.counters())  # Note [Joining a fill] in overmind.server.cold_loads
         info["file_segments"] = {"bytes": self.registry.file_bytes(), "settled": self.settler.settled,  # Note [Settling file segments]

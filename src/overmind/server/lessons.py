@@ -10,7 +10,7 @@ Kept per lineage (``Context.lineage``: a context and its variants keyed on the v
 variables their imports read): the installed modules its runs and loads imported (Note [Warm
 interpreters learn] in overmind.warm.interpreter), the AOTInductor packages its runs loaded
 (Note [AOTInductor packages are handed over] in overmind.shared.packages), the modules that started a thread when
-imported (never pre-imported again: Note [Forking past torch's thread]), and the environment
+imported (never pre-imported again: Note [Threads libraries start] in overmind.warm.fork_safety), and the environment
 names and prefixes its imports read (Note [Settings an import read] in overmind.shared.import_env).
 ``overmind.server.state`` keeps a ``snapshot()`` across restarts and ``teach``es it back.
 """

@@ -45,6 +45,7 @@ logger = logging.getLogger("overmind.server.loaders")
 __all__ = ["Context", "Fill", "WarmPool", "LoadFailure", "RunRefused", "context_from_wire", "run_from_wire"]
 
 READY_TIMEOUT = 300.0
+MAX_CANNOT_FORK = 3  # interpreters of a lineage retired in a row as unable to fork, before its runs go plain
 FORK_TIMEOUT = 30.0  # a Fork waits at most for one learned module's import (Note [Warm interpreters learn])
 
 
@@ -111,7 +112,8 @@ class WarmProcess:
         self.ready = False
         self.retired = False
         self.imported: list = []
-        self.refused: list = []  # modules that started a thread in it (Note [Forking past torch's thread])
+        self.refused: list = []  # modules that started a thread in it (Note [Threads libraries start])
+        self.unforkable = ""  # why it cannot fork, when it said so while starting a load (Note [A fill never waits for a fork])
         self.learned: list = []  # what its runs imported beyond its pre-imports
         self.modules = 0
         self.jobs = 0
@@ -164,6 +166,9 @@ class WarmProcess:
                 self.refused = sorted(set(self.refused) | {n for n in reply.refused if isinstance(n, str)})
                 raise P.RemoteError(reply.code, reply.message, reply.traceback)
             started = P.expect(reply, P.JobStarted, "from a warm interpreter")
+            if started.unforkable:  # its load runs in a fresh interpreter; it is replaced
+                self.unforkable = str(started.unforkable)[:1000]
+                self.refused = sorted(set(self.refused) | {n for n in started.refused if isinstance(n, str)})
             self.modules = started.modules
             self.learned = list(started.learned)
             self.last_used = time.time()
@@ -240,6 +245,7 @@ class WarmPool:
         self.lessons = Lessons()  # what each lineage learned (overmind.server.lessons)
         self.retired = 0
         self._settling = _Settling()
+        self._cannot_fork: dict[str, int] = {}  # lineage -> interpreters retired as unable to fork
 
     def _interpreter(self, context: Context, create: bool = True, env: dict | None = None) -> WarmProcess | None:
         with self.lock:
@@ -272,6 +278,20 @@ class WarmPool:
             self.retired += 1
         logger.info("retiring warm interpreter %d (%s)", interpreter.proc.pid, why)
         interpreter.retire()
+
+    def _retire_unforkable(self, interpreter: WarmProcess, why: str) -> bool:
+        """Retire one that cannot fork; whether its lineage may have another (Note [Threads libraries
+        start] in overmind.warm.fork_safety): each successor keeps out the modules that started
+        threads, so it forks; after MAX_CANNOT_FORK in a row that did not, its runs go plain, never
+        in a loop of interpreters started and retired."""
+        lineage = interpreter.context.lineage
+        with self.lock:
+            count = self._cannot_fork[lineage] = self._cannot_fork.get(lineage, 0) + 1
+        self._retire(interpreter, why)
+        if count == MAX_CANNOT_FORK:
+            logger.warning("%d warm interpreters of context %s in a row could not fork; its runs go plain (its "
+                           "loads still fill, each in a fresh interpreter)", count, interpreter.context.key)
+        return count < MAX_CANNOT_FORK
 
     def _learn_packages(self, context: Context, packages: list) -> None:
         """Note [AOTInductor packages are handed over] in overmind.shared.packages: every interpreter
@@ -325,6 +345,8 @@ class WarmPool:
                                   f"could not start a loader with {context.python}: {err}") from None
             try:
                 job, pid = interpreter.start_job(key, blob, list(modules), sys_path, cwd)
+                if interpreter.unforkable and self._retire_unforkable(interpreter, interpreter.unforkable):
+                    self._prepare_soon(context, None)  # its successor keeps out what started the threads
                 break
             except (OSError, EOFError, P.ProtocolError, P.RemoteError, RunRefused) as err:
                 logger.warning("warm interpreter %d could not start job %s: %s", interpreter.proc.pid, key[:16], err)
@@ -445,12 +467,19 @@ class WarmPool:
         self._rekey(context.lineage)
         base, context = context, self.lessons.with_reads(context, spec.env)
         interpreter = self._interpreter(context, create=False)
+        with self.lock:
+            given_up = self._cannot_fork.get(context.lineage, 0) >= MAX_CANNOT_FORK
         if interpreter is None or not interpreter.ready:
+            if given_up:
+                raise RunRefused("this context's warm interpreters cannot fork (see the server log): runs go plain")
             if interpreter is None:
                 self._prepare_soon(context, spec.env)
             raise RunRefused("no warm interpreter for this context yet; one is starting")
         try:
-            return interpreter.fork_run(spec, fds)
+            pid = interpreter.fork_run(spec, fds)
+            with self.lock:
+                self._cannot_fork.pop(context.lineage, None)
+            return pid
         except P.RemoteError as err:
             if err.code == P.ErrorCode.ENV_DIFFERS:  # it told us what its imports read: key on that now
                 self._rekey(base.lineage)
@@ -461,7 +490,9 @@ class WarmPool:
                                  "under this run's environment is starting") from None
             if err.code != P.ErrorCode.NOT_FORKABLE:
                 raise RunRefused(err.message) from None
-            self._retire(interpreter, err.message)
+            if not self._retire_unforkable(interpreter, err.message):
+                raise RunRefused(f"the warm interpreter cannot fork ({err.message}); this context's runs go "
+                                 "plain until the server restarts") from None
             self._prepare_soon(context, spec.env)
             raise RunRefused(f"the warm interpreter cannot fork ({err.message}); a fresh one is starting") from None
         except (OSError, EOFError, P.ProtocolError) as err:

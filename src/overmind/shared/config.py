@@ -80,7 +80,7 @@ __all__ = ["Config", "ConfigError", "default_runtime_dir", "default_state_dir", 
 
 # Environment a loader inherits from the client (and that selects its warm interpreter).
 ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "CUDA_", "NVIDIA_", "TORCH_", "PYTORCH_",
-                "OMP_", "MKL_", "BNB_", "ACCELERATE_", "SAFETENSORS_", "TOKENIZERS_", "XDG_", "LC_")
+                "OMP_", "MKL_", "OPENBLAS_", "GOTO_", "BNB_", "ACCELERATE_", "SAFETENSORS_", "TOKENIZERS_", "XDG_", "LC_")
 ENV_NAMES = ("HOME", "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHASHSEED", "VIRTUAL_ENV", "LANG",
              "TMPDIR", "USER", "LOGNAME", "TZ", "OVERMIND_NO_EXT", "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE",
              "PYTHONUSERBASE", "PYTHONSAFEPATH", "PYTHONPYCACHEPREFIX", "PYTHONWARNINGS", "PYTHONHOME",
@@ -93,7 +93,7 @@ ENV_NAMES = ("HOME", "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYT
 # A warm interpreter (overmind.warm.interpreter) imported its modules under its own environment, so it
 # serves only clients that agree with it on what can change an import. Two parts:
 # - ENV_PREFIXES and ENV_NAMES, always: what is read where Python cannot see it (C getenv:
-#   TORCH_*, CUDA_*, OMP_NUM_THREADS, MKL_*), what CPython reads at start (PYTHONPATH,
+#   TORCH_*, CUDA_*, OMP_NUM_THREADS, MKL_*, OPENBLAS_NUM_THREADS: thread pools size themselves at load), what CPython reads at start (PYTHONPATH,
 #   PYTHONHASHSEED...; the locale), and what a loader needs (HF_HOME, PATH...).
 # - The names the context's interpreters' imports actually read from os.environ, which no
 #   list could name (torch._inductor.config reads ~300 TORCHINDUCTOR_*/TORCHDYNAMO_* names and

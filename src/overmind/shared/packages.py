@@ -80,8 +80,8 @@ def spec_key(spec: dict) -> tuple:
 
 
 def refusal_name(spec: dict) -> str:
-    """The name a package that started a thread is refused under (Note [Forking past torch's
-    thread] in overmind.warm.interpreter): the server then never hands it to this context again."""
+    """The name a package that started a thread is refused under (Note [Threads libraries start] in
+    overmind.warm.fork_safety): the server then never hands it to this context again."""
     return f"aoti:{spec['path']}"
 
 

@@ -71,15 +71,15 @@ def preload(spec: dict) -> str:
 def preload_warm(spec: dict, reads, refused) -> list[str]:
     """:func:`preload` in a warm interpreter, the settings it reads recorded into ``reads``
     (Note [Settings an import read] in overmind.shared.import_env); the names to refuse: the
-    package's, if loading it started a thread (Note [No thread pool before a fork] in
-    overmind.warm.compiled)."""
-    from overmind.warm.compiled import native_threads
+    package's, if loading it started a thread nobody vouches for (Note [Threads libraries start]
+    in overmind.warm.fork_safety)."""
     from overmind.shared.import_env import recording
+    from overmind.warm.fork_safety import started_since, thread_ids
 
     name = refusal_name(spec)
     if name in refused:
         return []
-    before = native_threads()
+    before = thread_ids()
     try:
         with recording(reads):
             why = preload(spec)
@@ -89,7 +89,7 @@ def preload_warm(spec: dict, reads, refused) -> list[str]:
         logger.info("not preloading %s: %s", spec["path"], why)
     else:
         logger.info("preloaded %s", spec["path"])
-    if native_threads() != before:
+    if started_since(before):
         logger.warning("loading %s started a thread: this interpreter will not fork again", spec["path"])
         return [name]
     return []

@@ -2,6 +2,7 @@
 
     children = Children()
     pid = children.fork_job(job, blob, job_fd, in_child)     # a cold load (overmind.warm.loader)
+    pid = children.spawn_job(job, blob, job_fd, env)         # the same, in a fresh interpreter
     pid = children.fork_run(fork, fds, in_child)             # a run (overmind.warm.child)
     select(children.watched() + ...); children.readable(ready)
     for names in children.reap(): ...                        # modules each ended run imported
@@ -111,6 +112,25 @@ class Children:
                     code = run_job(job, blob, job_sock)
             finally:
                 os._exit(code)
+        os.close(job_fd)
+        self.loads.add(pid)
+        return pid
+
+    def spawn_job(self, job: P.Job, blob: bytes, job_fd: int, env: dict) -> int:
+        """A cold load in a fresh interpreter, for one that cannot fork (Note [A fill never waits
+        for a fork] in overmind.warm.interpreter): the job is handed over on a socket pair."""
+        from overmind.warm.startup import interpreter_options
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            os.set_inheritable(theirs.fileno(), True)
+            code = f"from overmind.warm.loader import spawned_main; spawned_main({theirs.fileno()})"
+            pid = os.posix_spawn(sys.executable, [sys.executable, *interpreter_options(), "-c", code], env)
+        finally:
+            theirs.close()
+        with ours:
+            ours.settimeout(30.0)
+            P.send_message(ours, job, blob, fds=[job_fd])
         os.close(job_fd)
         self.loads.add(pid)
         return pid

@@ -5,7 +5,6 @@ and the check that nothing a fork breaks was started. Runs in the warm interpret
     if runs_made_the_probes and compiled.compile_stack_held():
         priming = compiled.Priming()               # once; then, between forks, until .done:
         priming.step(reads)                        # one probe; .files: what the answers depend on
-    why = compiled.pool_started(thread_ids_when_ready)  # "" or why a child forked now would hang
 
 Note [Inductor's probes, made once]
 A ``torch.compile`` script whose kernels are all in Inductor's on-disk caches still spends
@@ -74,12 +73,11 @@ parallel, and neither survives a fork: a child of a parent that ran a model once
 first parallel region for threads that do not exist, for ever (3 of 3 children hung in
 issue 24's test; ``OMP_NUM_THREADS=1`` in the parent avoided it). So a warm interpreter never
 runs a kernel (it imports, primes probes and loads AOTInductor packages without calling them:
-overmind.warm.aoti), and before each fork :func:`pool_started` compares the native threads with those it had
-when ready, by thread id: a new one means something started a pool (or any thread), and the
-interpreter refuses to fork (``NOT_FORKABLE``); the run goes plain with a log line saying
-why, and the server starts a fresh interpreter without the module that did it. A refusal is
-never a hang. Thread counting is the check because neither OpenMP nor ATen says whether its
-pool was started; ``torch.get_num_threads()`` only reports the size it would have.
+overmind.warm.aoti), and before each fork the thread census (Note [Threads libraries start] in
+overmind.warm.fork_safety) finds any thread started since it was ready that no fork handler
+stops: such a pool makes the interpreter refuse to fork (``NOT_FORKABLE``). A refusal is never
+a hang. Threads are the check because neither OpenMP nor ATen says whether its pool was
+started; ``torch.get_num_threads()`` only reports the size it would have.
 """
 
 from __future__ import annotations
@@ -91,47 +89,24 @@ import sys
 import threading
 import time
 
+from overmind.warm.fork_safety import started_since, thread_ids
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["compile_stack_held", "Priming", "prime_inductor", "pool_started", "native_threads", "native_thread_ids",
-           "forget_isa_list", "PRIMING"]
+__all__ = ["compile_stack_held", "Priming", "prime_inductor", "forget_isa_list", "PRIMING"]
 
 COMPILE_STACK = "torch._inductor"
-# The name a failed or thread-starting priming is refused under (Note [Forking past torch's
-# thread] in overmind.warm.interpreter): the server hands it to the context's next interpreter, which
+# The name a failed or thread-starting priming is refused under (Note [Threads libraries start]
+# in overmind.warm.fork_safety): the server hands it to the context's next interpreter, which
 # then does not prime.
 PRIMING = "overmind.warm.compiled:prime_inductor"
 
 _primed = False
 
 
-def native_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
 def compile_stack_held() -> bool:
     """Whether this interpreter imported the compile stack (its context's runs did)."""
     return COMPILE_STACK in sys.modules
-
-
-def native_thread_ids() -> frozenset[str]:
-    return frozenset(os.listdir("/proc/self/task"))
-
-
-def pool_started(threads_when_ready: frozenset[str]) -> str:
-    """Why forking now would leave the child a thread pool it cannot use, or "" (Note [No
-    thread pool before a fork]). By thread id, not count: torch's own thread (Note [Forking
-    past torch's thread] in overmind.warm.interpreter) ends at the first fork, so a count would let a
-    pool started later pass for it."""
-    if threading.active_count() != 1:
-        return (f"{threading.active_count()} Python threads (Note [Forking past torch's thread] in "
-                "overmind.warm.interpreter)")
-    new = native_thread_ids() - threads_when_ready
-    if threads_when_ready and new:
-        return (f"{len(new)} native thread(s) started since it was ready: a thread pool (OpenMP / intra-op) "
-                "or another thread was started here, and a child forked past it would hang in its first "
-                "parallel kernel (Note [No thread pool before a fork] in overmind.warm.compiled)")
-    return ""
 
 
 class Priming:
@@ -154,7 +129,7 @@ class Priming:
         read] in overmind.shared.import_env). Never raises."""
         from overmind.shared.import_env import recording
 
-        before = native_threads()
+        before = thread_ids()
         try:
             with recording(reads):
                 if self.steps is None:
@@ -164,7 +139,7 @@ class Priming:
         except Exception as err:  # noqa: BLE001 - priming is a head start; the run asks itself
             logger.warning("priming Inductor's probes failed (runs will make them): %r", err)
             self.steps, self.refuse = [], True
-        if native_threads() != before:
+        if started_since(before):
             logger.warning("priming Inductor's probes started a thread: this interpreter will not fork again")
             self.steps, self.refuse = [], True
         if self.done and not self.refuse:
@@ -225,7 +200,7 @@ def probe_vector_isas() -> None:
     for thread in threads:
         thread.join()
     deadline = time.monotonic() + 5.0
-    while ids & native_thread_ids() and time.monotonic() < deadline:
+    while ids & thread_ids() and time.monotonic() < deadline:
         time.sleep(0.001)  # joined, but the kernel may list an exiting thread a moment longer
     if failures:
         raise failures[0]

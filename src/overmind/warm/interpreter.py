@@ -18,20 +18,21 @@ file it imported from; before each fork it checks them, and one that changed (a 
 install -U``) makes it refuse (``NOT_FORKABLE``) and the server retire it: the run goes
 plain this once, the next gets a fresh interpreter, and old code never runs.
 
-Note [Forking past torch's thread]
-A fork copies only the calling thread; a lock another thread held stays locked forever in
-the child. So a fork happens only from a known state: no Python thread but the main one
-(``threading.active_count() == 1``), and no native thread beyond those counted right after
-the pre-imports. ``import torch`` alone starts one native thread, which blocks on a futex
-until work is submitted to it (at::launch's pool is created lazily; the thread seen here
-belongs to the CPU allocator/OpenMP runtime and holds no lock while it waits); the child
-starts with a fresh copy of the pool's state and never talks to that thread, and torch's
-own ``pthread_atfork`` handlers reset its thread pools in the child. That thread ends at the first fork (in
-the parent too), so threads are told apart by id, not counted (Note [No thread pool before a
-fork] in overmind.warm.compiled). A new thread (an import
-that started a pool, a library's background loader) makes the interpreter refuse to fork,
-and the server replaces it without the module that did so. CUDA is never initialised here
-(Note [Warm interpreters never touch CUDA] in overmind.server.pool).
+Note [Forking only past what a fork keeps]
+A fork copies only the calling thread, and a process that initialised CUDA cannot fork a
+usable child. So before each fork the interpreter checks that no Python thread but its own
+runs, that every native thread started since it was ready is one a fork keeps working (Note
+[Threads libraries start] in overmind.warm.fork_safety: OpenBLAS's pools are stopped,
+jemalloc's thread is forked past), and that CUDA was never initialised (Note [Warm
+interpreters never touch CUDA] in overmind.server.pool). An import that started a thread
+nobody vouches for gets its module kept out of the context's interpreters; this one refuses
+to fork (``NOT_FORKABLE``) and is replaced, and meanwhile its loads run in a fresh process
+(Note [A fill never waits for a fork]).
+
+Note [A fill never waits for a fork]
+A ``Job`` that comes while the interpreter cannot fork runs in a fresh interpreter instead
+(``Children.spawn_job``), at the priority the server gives it: slower to start than a fork,
+but the cache still fills, whatever threads the context's imports start.
 
 Note [Warm interpreters learn]
 Each run reports, at its exit, the installed modules it imported; a patched client reports
@@ -68,21 +69,24 @@ import select
 import signal
 import socket
 import sys
-import threading
 import time
 
 from overmind.shared import protocol as P
 from overmind.shared.import_env import Reads, differs, recording
 from overmind.shared.inductor import USED as INDUCTOR_USED
 from overmind.warm.children import Children
-from overmind.warm.compiled import (PRIMING, Priming, compile_stack_held, forget_isa_list, native_thread_ids,
-                                    native_threads, pool_started)
+from overmind.warm.compiled import PRIMING, Priming, compile_stack_held, forget_isa_list
+from overmind.warm.fork_safety import ThreadCensus, Refused, cuda_note
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["interpreter_main"]
 
 PREIMPORT = ("torch",)
+# Note [Warm interpreters never touch CUDA] in overmind.server.pool: imports that ask whether CUDA
+# is there (torch.cuda.is_available()) ask NVML, which does not initialise CUDA; each child
+# gets the caller's own value back.
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 # Seconds without a message from the server before a priming step starts: Note [Priming waits
 # for a pause] in overmind.warm.compiled.
 PRIME_AFTER_QUIET = 0.5
@@ -93,8 +97,8 @@ class WarmInterpreter:
         self.control = control
         self.children = Children()
         self.files: dict[str, tuple[int, int]] = {}  # Note [Warm interpreters]
-        self.threads = 0
-        self.thread_ids: frozenset = frozenset()
+        self.census = ThreadCensus()  # Note [Forking only past what a fork keeps]
+        self.nvml_check = os.environ.get(NVML_CHECK)  # the caller's: back in every child
         self.retiring = False
         self.learned: list[str] = []  # what runs imported that we did not hold: for our successor
         self.to_learn: list[str] = []
@@ -119,14 +123,14 @@ class WarmInterpreter:
         warm = P.expect(message, P.Warm, "first, from the server")
         self.refused_modules.update(n for n in warm.refused if isinstance(n, str))
         yielding = _yield_cpu()  # Note [Warming up yields the CPU]
+        os.environ[NVML_CHECK] = "1"
         imported = self._import(PREIMPORT)
         with recording(self.reads):
             import overmind.shared.quirks  # noqa: F401  (torch-side helpers before forking)
             import overmind.shared.reductions  # noqa: F401
             import overmind.warm.child  # noqa: F401  (what every run imports first)
 
-        self.threads = native_threads()  # Note [Forking past torch's thread]: counted here, once
-        self.thread_ids = native_thread_ids()  # Note [No thread pool before a fork] in overmind.warm.compiled
+        self.census.take()  # Note [Forking only past what a fork keeps]: what runs now is its own
         self.compiles = INDUCTOR_USED in warm.modules
         imported += self._import(warm.modules)
         self._record_files()
@@ -143,11 +147,10 @@ class WarmInterpreter:
         for name in names:
             if name in sys.modules or name in self.refused_modules:
                 continue
-            before = threading.active_count(), native_threads()
             self.reads.unbounded = ""
             failed, installed = None, False
             # Note [Settings an import read] in overmind.shared.import_env; find_spec imports the parent package
-            with recording(self.reads):
+            with recording(self.reads), self.census.watching(self.refused_modules, name) as watch:
                 try:
                     installed = _installed(name)
                     if installed:
@@ -156,15 +159,21 @@ class WarmInterpreter:
                     failed = err
             if self.reads.unbounded:  # Note [Settings an import read] in overmind.shared.import_env: not followed
                 logger.debug("importing %s read the environment untraced (%s)", name, self.reads.unbounded)
+            culprits = self.census.culprits(watch) if self.census.own else {}
+            for culprit, threads in culprits.items():
+                # Note [Threads libraries start] in overmind.warm.fork_safety: kept out of this context's
+                # interpreters from now on; a run imports it itself.
+                logger.warning("importing %s started %d thread(s) nobody vouches for (%s) in %s: %s is kept out "
+                               "of this context's warm interpreters; runs import it themselves", name,
+                               len(threads), ", ".join(threads), culprit, culprit)
+                self.refused_modules.add(culprit)
             if not installed:
                 continue
-            if failed is not None:
-                logger.debug("pre-import of %s failed: %s", name, failed)
-                self.refused_modules.add(name)
-                continue
-            if (threading.active_count(), native_threads()) != before and self.threads:
-                # Never again in this context: the server drops it from what it hands our successor.
-                logger.warning("importing %s started a thread: this interpreter will not fork again", name)
+            if failed is not None or culprits:
+                if isinstance(failed, Refused):
+                    logger.info("not importing %s: %s", name, failed)
+                elif failed is not None:
+                    logger.debug("pre-import of %s failed: %s", name, failed)
                 self.refused_modules.add(name)
                 if name in self.learned:
                     self.learned.remove(name)
@@ -240,12 +249,10 @@ class WarmInterpreter:
     # -- fork safety --------------------------------------------------------------------------
 
     def _why_not_forkable(self) -> str:
-        why = pool_started(self.thread_ids)  # Note [No thread pool before a fork] in overmind.warm.compiled
+        """Note [Forking only past what a fork keeps], and Note [Warm interpreters]."""
+        why = self.census.strangers_note() or cuda_note()
         if why:
             return why
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            return "CUDA was initialised here (Note [Warm interpreters never touch CUDA] in overmind.server.pool)"
         for path, (mtime_ns, size) in self.files.items():
             try:
                 st = os.stat(path)
@@ -357,6 +364,14 @@ class WarmInterpreter:
             self._to_learn(message.modules)
             self._learn_now([n for n in message.modules if n in self.to_learn])
         why = self._why_not_forkable()
+        if why and isinstance(message, P.Job):
+            # Note [A fill never waits for a fork]: a fresh interpreter loads it instead.
+            logger.info("cannot fork (%s): load %s runs in a fresh interpreter", why, message.key[:16])
+            pid = self.children.spawn_job(message, blob, fds[0], self._child_environ())
+            P.send_message(self.control, P.JobStarted(message.key, pid, modules=len(sys.modules), learned=self.learned,
+                                                      environ=self._news(), unforkable=why,
+                                                      refused=sorted(self.refused_modules)))
+            return
         if why:
             P.close_fds(fds)
             P.send_message(self.control, P.JobFailed(getattr(message, "key", "run"), P.ErrorCode.NOT_FORKABLE, why,
@@ -383,8 +398,18 @@ class WarmInterpreter:
         P.send_message(self.control, P.JobStarted(key, pid, modules=len(sys.modules), learned=self.learned,
                                                   environ=self._news()))
 
+    def _child_environ(self) -> dict:
+        """The environment a load runs under: ours, with the caller's NVML_CHECK back."""
+        env = dict(os.environ)
+        env.pop(NVML_CHECK, None)
+        if self.nvml_check is not None:
+            env[NVML_CHECK] = self.nvml_check
+        return env
+
     def _in_child(self) -> None:
         forget_isa_list()  # Note [Inductor's probes, made once] in overmind.warm.compiled
+        os.environ.clear()
+        os.environ.update(self._child_environ())  # a run's child takes the caller's whole environment later
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in (self.wakeup_r, self.wakeup_w):

@@ -29,7 +29,7 @@ from overmind.shared import protocol as P
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_job", "FileObserver"]
+__all__ = ["run_job", "spawned_main", "FileObserver"]
 
 MAX_CONTENTS = 8000  # content records a result carries (~70 bytes each)
 # A fill this large tells the server how far its pack is, every PROGRESS_INTERVAL seconds.
@@ -241,6 +241,26 @@ def _context_environment() -> None:
     keep = set(selecting_environment(os.environ))
     for name in [n for n in os.environ if n not in keep and not n.startswith("OVERMIND_")]:
         del os.environ[name]
+
+
+def spawned_main(fd: int) -> None:
+    """A job in a fresh interpreter, handed over on socket ``fd`` by a warm interpreter that cannot
+    fork (Note [A fill never waits for a fork] in overmind.warm.interpreter)."""
+    code = 1
+    try:
+        with socket.socket(fileno=fd) as sock:
+            message, blob, fds = P.recv_message(sock)
+        job = P.expect(message, P.Job, "from a warm interpreter")
+        if len(fds) != 1:
+            raise P.ProtocolError(f"a spawned job needs 1 fd, got {len(fds)}")
+        try:
+            os.chdir(job.cwd)
+        except OSError:
+            pass
+        with socket.socket(fileno=fds[0]) as job_sock:
+            code = run_job(job, blob, job_sock)
+    finally:
+        os._exit(code)
 
 
 def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:

@@ -243,7 +243,7 @@ class Warm(Message):
 
     TYPE: ClassVar[int] = 45
     modules: list
-    refused: list = []  # never to import: they started a thread (Note [Forking past torch's thread])
+    refused: list = []  # never to import: they started a thread (Note [Threads libraries start])
     packages: list = []  # AOTInductor packages to preload (Note [AOTInductor packages are handed over] in overmind.shared.packages)
 
 
@@ -293,6 +293,10 @@ class JobStarted(Message):
     modules: int = 0  # installed modules the interpreter holds now
     learned: list = []  # installed modules runs imported that it did not hold (for its successor)
     environ: dict = {}  # names and prefixes its imports read since it last said (overmind.shared.import_env)
+    # Why it can fork no more ("": it can), and the modules kept out of its successor: it started
+    # this job's loader as a fresh process (Note [A fill never waits for a fork] in overmind.warm.interpreter).
+    unforkable: str = ""
+    refused: list = []
 
 
 @message
