@@ -40,11 +40,6 @@ def _python(server, code: str, mode: str) -> dict:
     return last_json(server.run(code, env=server.client_env(MODE=mode, OVERMIND_STRICT="1")))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Known, seen on an H200 machine (torch 2.11+cu130, 16 cores), 2026-11-26: importing diffusers' "
-    "UNet module in the warm interpreter starts numpy's OpenBLAS pool (15 threads), a CUDA driver "
-    "thread (diffusers.utils.torch_utils) and a jemalloc thread, so it refuses to fork the fill "
-    "(NOT_FORKABLE, Note [No thread pool before a fork]) and the load is not cached"))
 def test_a_hit_moved_to_cuda_computes_what_plain_computes_there(server, models):
     code = UNET_ON_CUDA.format(path=str(models["unet"]))
     plain = _python(server, code, "plain")

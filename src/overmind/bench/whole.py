@@ -125,7 +125,7 @@ def touch(modules):
                 continue
             seen.add(storage.data_ptr())
             nbytes += storage.nbytes()
-            raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+            raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
             total += (raw[::4096].sum() + raw[-1]).item()
     return nbytes, total
 
@@ -143,16 +143,16 @@ edge = ControlNetModel.from_pretrained(EDGE, torch_dtype=torch.float16)
 vae = AutoencoderKL.from_pretrained(SD, subfolder="vae", torch_dtype=torch.float16)
 pipe = StableDiffusionControlNetPipeline.from_pretrained(
     SD, vae=vae, controlnet=[depth, edge], torch_dtype=torch.float16, safety_checker=None)
-pipe.to("cpu")
-mark("ready")
+pipe.to({device!r})
+{sync}mark("ready")
 mark("used", *touch(m for m in pipe.components.values() if isinstance(m, torch.nn.Module)))
 ''',
     "lm": '''\
 from transformers import AutoModelForCausalLM
 
 model = AutoModelForCausalLM.from_pretrained({lm!r}, {dtype_keyword}=torch.bfloat16)
-model.to("cpu")
-mark("ready")
+model.to({device!r})
+{sync}mark("ready")
 mark("used", *touch([model]))
 ''',
 }
@@ -169,10 +169,13 @@ def _dtype_keyword() -> str:
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
-def script_source(name: str, paths: dict) -> str:
-    """The text of a script that loads from ``paths`` (model name -> path)."""
+def script_source(name: str, paths: dict, device: str = "cpu") -> str:
+    """The text of a script that loads from ``paths`` (model name -> path) and moves the model
+    to ``device`` (``overmind-bench --device``) before it is ready."""
     fields = {k: str(v) for k, v in paths.items()}
-    return _PRELUDE.format(mark=MARK) + "\n" + _BODIES[name].format(dtype_keyword=_dtype_keyword(), **fields)
+    sync = "torch.cuda.synchronize()\n" if device.startswith("cuda") else ""
+    return _PRELUDE.format(mark=MARK) + "\n" + _BODIES[name].format(dtype_keyword=_dtype_keyword(), device=device,
+                                                                     sync=sync, **fields)
 
 
 def front_end() -> list[str]:
@@ -368,7 +371,7 @@ class WholeProcess:
         for script in scripts:
             if not script.code:
                 (self.dir / f"{script.name}.py").write_text(
-                    script_source(script.name, {n: self.paths[n] for n in script.models}))
+                    script_source(script.name, {n: self.paths[n] for n in script.models}, plan.device))
         # The context's interpreter starts now (the first run of a context goes plain).
         self.once(SCRIPTS["imports"], "run", "start-interpreter", argv=[*self.front, "-c", "pass"])
         for script in scripts:

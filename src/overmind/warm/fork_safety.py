@@ -182,11 +182,47 @@ class ThreadCensus:
         watch = Watch(refused, top, thread_ids())
         sys.meta_path.insert(0, watch)
         try:
-            yield watch
+            with _cuda_refused():
+                yield watch
         finally:
             with contextlib.suppress(ValueError):
                 sys.meta_path.remove(watch)
             watch.look(end=True)
+
+
+# torch's calls that initialise CUDA (torch.cuda._lazy_init, and device_count() where NVML cannot
+# answer): while a warm interpreter imports, each raises Refused (Note [Warm interpreters never
+# touch CUDA] in overmind.server.pool), so the module whose import would have made it is kept out
+# and a run imports it itself; anywhere else, a child included, each is the original.
+_CUDA_CALLS = ("_cuda_init", "_cuda_getDeviceCount")
+_importing = False
+
+
+@contextlib.contextmanager
+def _cuda_refused():
+    global _importing
+    torch_c = getattr(sys.modules.get("torch"), "_C", None)
+    for name in _CUDA_CALLS:
+        original = getattr(torch_c, name, None)
+        if original is not None and not getattr(original, "_overmind_guard", False):
+            setattr(torch_c, name, _guarded(name, original))
+    _importing = True
+    try:
+        yield
+    finally:
+        _importing = False
+
+
+def _guarded(name: str, original):
+    def guard(*args, **kwargs):
+        if _importing:
+            raise Refused(f"torch._C.{name}() would initialise CUDA in a warm interpreter")
+        return original(*args, **kwargs)
+
+    guard._overmind_guard = True
+    guard.__name__ = guard.__qualname__ = name
+    guard.__doc__ = getattr(original, "__doc__", None)
+    return guard
 
 
 def _judged(tid: str) -> str:
