@@ -34,6 +34,8 @@
 # (build/, src/*.egg-info, src/overmind/_C*.so) and Python's __pycache__ folders.
 # GPU_CHECK_BUDGET (default 375 s) bounds the steps: each step's timeout leaves the later steps
 # their minimum; a step killed at its timeout, the cleanup after it and the summary add < 40 s.
+# GPU_CHECK_NO_EXT=1 installs without the C extension (a minute less); GPU_CHECK_CURVE_MODES picks the
+# curve's modes (default patched,run).
 # GPU_CHECK_INSTALL=auto|always|never (auto: install unless `import overmind` already finds
 # this checkout's src/overmind).
 set -u
@@ -190,7 +192,10 @@ EOF
                 note+=" overmind: already installed from this checkout"
             else
                 say "installing overmind: $PY -m pip install --no-build-isolation --no-deps --no-index -e ."
-                if timeout "$(sbudget 110)" "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . \
+                if [ "${GPU_CHECK_NO_EXT:-0}" = 1 ] && OVERMIND_NO_EXT=1 timeout "$(sbudget 60)" "$PY" -m pip install \
+                        --no-build-isolation --no-deps --no-index -e . > "$WORK/pip-overmind.log" 2>&1; then
+                    note+=" overmind: installed without the C extension (GPU_CHECK_NO_EXT=1: a minute less)"
+                elif timeout "$(sbudget 110)" "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . \
                         > "$WORK/pip-overmind.log" 2>&1; then
                     note+=" overmind: installed with its C extension"
                 else
@@ -327,8 +332,9 @@ step_tests() {
     done
     if [ ${#files[@]} = 0 ]; then record tests skipped 0 "" "no test files"; return; fi
     # test_gpu.py is marked gpu as a whole; the bitsandbytes tests are not (`-m gpu` would deselect them).
-    "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 4)
-    run_step tests 150 170 40 -- "$PY" -m pytest -q -rfEsxX -p no:cacheprovider --timeout=300 \
+    "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
+    # A test's own limit well inside the step's, so that pytest lives to print what failed.
+    run_step tests 170 170 40 -- "$PY" -m pytest -q -rfEsxX --tb=short -p no:cacheprovider --timeout=75 \
         "${xdist[@]+"${xdist[@]}"}" "${files[@]}"
     record tests "$(status_of "$RC")" "$SECS" "$RC" "$SKIPWHY${files[*]}"
 }
@@ -339,6 +345,7 @@ step_bench() {
     wait_models
     if [ "$HAVE_CUDA" = 1 ]; then
         run_step bench 220 60 100 -- "$PY" -m overmind.bench --scenarios warmup_curve --curve-scripts controlnet \
+            --curve-modes "${GPU_CHECK_CURVE_MODES:-patched,run}" \
             --curve-rounds 1 --scale base --device cuda --cache-dir "$BENCH_CACHE" --no-progress --json "$OUT/bench.json"
         record bench "$(status_of "$RC")" "$SECS" "$RC" "${SKIPWHY}ControlNet, SD1.5 sizes, .to('cuda'), 1 round"
     else

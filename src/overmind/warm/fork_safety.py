@@ -27,6 +27,11 @@ pyarrow's jemalloc starts ``jemalloc_bg_thd``). Each is judged by evidence:
 - jemalloc's background thread (``jemalloc_bg_thd``) is forked past: jemalloc's own fork
   handlers take its locks before the fork and reset them after, and the child runs with
   background threads off (the one way it differs from plain, in how freed memory is purged).
+- NVML is shut down (``nvmlShutdown`` until it says it is not running): the interpreter's imports
+  ask it whether CUDA is there (Note [Warm interpreters never touch CUDA] in overmind.server.pool),
+  torch starts it on each such question and never stops it, and a child that asks again starts
+  it afresh. Seen on an H200 (benchmarks/gpu_check.sh): a driver thread appeared while diffusers
+  imported, with CUDA not initialised.
 - Anything else (a CUDA driver thread, a library's timer, a Python thread) is a stranger:
   the interpreter will not fork past it. The module whose import started it is blamed
   (:class:`Watch`) and refused, so the context's next interpreter does not import it: a
@@ -51,7 +56,7 @@ import threading
 import time
 
 __all__ = ["ThreadCensus", "Watch", "Refused", "thread_ids", "thread_names", "started_since", "stop_openblas_pools",
-           "cuda_note", "FORK_SAFE"]
+           "stop_pools", "cuda_note", "FORK_SAFE"]
 
 # Threads a library starts whose fork handling was read and tested (Note [Threads libraries start]).
 FORK_SAFE = {"jemalloc_bg_thd": "jemalloc's background thread (its fork handlers take its locks)"}
@@ -77,6 +82,28 @@ def thread_names(ids) -> list[str]:
         except OSError:
             pass  # it ended meanwhile
     return names
+
+
+def stop_pools() -> int:
+    """Stop what stops for a fork anyway, or holds nothing once stopped: OpenBLAS's pools and
+    NVML (Note [Threads libraries start]); how many were stopped."""
+    return stop_openblas_pools() + stop_nvml()
+
+
+def stop_nvml() -> int:
+    """Shut NVML down where it was started (torch's NVML-based CUDA check starts it and never
+    stops it, once per call): its threads end, and a later ``nvmlInit`` in a child starts it
+    afresh. 1 if it was running."""
+    if not _mapped_libraries("libnvidia-ml.so"):
+        return 0
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1", mode=os.RTLD_NOLOAD)
+    except OSError:
+        return 0
+    calls = 0
+    while calls < 10000 and nvml.nvmlShutdown() == 0:  # NVML_ERROR_UNINITIALIZED once the last init is undone
+        calls += 1
+    return 1 if calls else 0
 
 
 def stop_openblas_pools() -> int:
@@ -110,7 +137,7 @@ def _mapped_libraries(word: str) -> set[str]:
 def started_since(before: frozenset[str]) -> frozenset[str]:
     """Threads not in ``before`` that a child forked now would miss: OpenBLAS's pools stopped
     first, fork-safe ones and those ending left out (Note [Threads libraries start])."""
-    stopped = stop_openblas_pools()
+    stopped = stop_pools()
     deadline = time.monotonic() + 0.5
     while True:
         left = frozenset(t for t in thread_ids() - before if _judged(t) == "stranger")
@@ -201,16 +228,59 @@ _importing = False
 @contextlib.contextmanager
 def _cuda_refused():
     global _importing
-    torch_c = getattr(sys.modules.get("torch"), "_C", None)
+    torch = sys.modules.get("torch")
+    torch_c = getattr(torch, "_C", None)
     for name in _CUDA_CALLS:
         original = getattr(torch_c, name, None)
         if original is not None and not getattr(original, "_overmind_guard", False):
             setattr(torch_c, name, _guarded(name, original))
+    cuda = getattr(torch, "cuda", None) if hasattr(torch_c, "_cuda_getDeviceCount") else None
+    original = getattr(cuda, "get_device_capability", None)
+    if original is not None and not getattr(original, "_overmind_guard", False):
+        cuda.get_device_capability = _capability_from_nvml(original)
     _importing = True
     try:
         yield
     finally:
         _importing = False
+
+
+def _capability_from_nvml(original):
+    """``torch.cuda.get_device_capability`` answered by NVML while a warm interpreter imports (a
+    device's compute capability is the hardware's: the answer is the one CUDA would give), so that
+    an import that sizes itself by it (bitsandbytes picks its native library so) needs no CUDA;
+    anywhere else, the original. What NVML cannot answer raises Refused."""
+
+    def get_device_capability(device=None):
+        if not _importing:
+            return original(device)
+        import torch
+
+        try:
+            index = torch.cuda._get_nvml_device_index(0 if device is None else device)
+            return _nvml_capability(index)
+        except Refused:
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever NVML cannot say keeps the module out
+            raise Refused(f"torch.cuda.get_device_capability() without CUDA: {err}") from None
+
+    get_device_capability._overmind_guard = True
+    get_device_capability.__doc__ = original.__doc__
+    return get_device_capability
+
+
+def _nvml_capability(index: int) -> tuple[int, int]:
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    if nvml.nvmlInit_v2() != 0:
+        raise Refused("NVML did not start")
+    try:
+        handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+        if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0 or \
+                nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0:
+            raise Refused(f"NVML cannot tell device {index}'s compute capability")
+        return major.value, minor.value
+    finally:
+        nvml.nvmlShutdown()
 
 
 def _guarded(name: str, original):
