@@ -27,7 +27,7 @@ pytest.importorskip("threadpoolctl")
 # A script as users write it: their libraries first, then a model load, then its use.
 SCRIPT = """
 import json, os, sys
-import torch, scipy.stats, pandas, sklearn.linear_model
+import torch, scipy.stats, pandas, sklearn.linear_model, {reader}
 from threadpoolctl import threadpool_info
 import overmind.api
 overmind.api.monkey_patch_all()
@@ -81,9 +81,22 @@ def test_a_fork_past_openblas_and_jemalloc_computes_in_the_child(many_cpus):
 
 
 @pytest.fixture
-def vae_script(models, tmp_path) -> Path:
+def nvml_reader():
+    """An installed module that reads PYTORCH_NVML_BASED_CUDA_CHECK at import, as torch's CUDA check
+    does on a CUDA build: the warm interpreter sets it for its own imports, and a run whose value
+    differs must still be forked (overmind.shared.import_env.INTERPRETERS_OWN)."""
+    name = f"overmind_test_nvml_reader_{os.getpid()}"
+    path = Path(sysconfig.get_paths()["purelib"]) / f"{name}.py"
+    path.write_text("import os\nos.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')\n")
+    age_files(path)
+    yield name
+    path.unlink()
+
+
+@pytest.fixture
+def vae_script(models, tmp_path, nvml_reader) -> Path:
     script = tmp_path / "decode.py"
-    script.write_text(SCRIPT.format(path=str(models["vae"])))
+    script.write_text(SCRIPT.format(path=str(models["vae"]), reader=nvml_reader))
     age_files(script)
     return script
 

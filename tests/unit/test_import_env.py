@@ -42,3 +42,17 @@ def test_an_iteration_filtered_by_startswith_records_the_prefix_not_every_name()
                                   "[k.lower() for k in os.environ]"])
 def test_an_iteration_or_copy_that_cannot_be_followed_is_unbounded(body):
     assert _record(body)["unbounded"]
+
+
+def test_what_the_interpreter_sets_for_itself_is_never_a_difference():
+    # The warm interpreter sets PYTORCH_NVML_BASED_CUDA_CHECK for its own imports (Note [Warm
+    # interpreters never touch CUDA]); torch reads it there on a CUDA build, and the run's own
+    # value (usually unset) must not refuse the fork.
+    from overmind.shared.import_env import INTERPRETERS_OWN, differs
+
+    got = _record("os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'); os.getenv('IMPORT_ENV_ABSENT')")
+    assert got["names"] == {"IMPORT_ENV_ABSENT": None}
+    own = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTORCH_X": "a"}
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" in INTERPRETERS_OWN
+    assert differs({"PYTORCH_X": "a"}, own, {}, ["PYTORCH_"]) == ""
+    assert "PYTORCH_X" in differs({}, own, {}, ["PYTORCH_"])

@@ -41,12 +41,16 @@ import os
 import sys
 from contextlib import contextmanager
 
-__all__ = ["Reads", "recording", "differs", "select", "reads_from_wire", "MAX_NAMES", "MAX_PREFIXES"]
+__all__ = ["Reads", "recording", "differs", "select", "reads_from_wire", "MAX_NAMES", "MAX_PREFIXES", "INTERPRETERS_OWN"]
 
 MAX_NAMES = 20000  # names one context's interpreters may report (torch + inductor read ~400)
 MAX_PREFIXES = 256
 MAX_NAME_LEN = 256
 _OWN = "OVERMIND_"
+# Set by the warm interpreter itself for its own imports, the caller's value given back to each
+# child (Note [Warm interpreters never touch CUDA] in overmind.server.pool): never a reason to refuse
+# a run, whatever the run's value.
+INTERPRETERS_OWN = frozenset({"PYTORCH_NVML_BASED_CUDA_CHECK"})
 
 _active: "Reads | None" = None
 
@@ -59,7 +63,7 @@ class Reads:
         self.keys: list[_Key] = []  # names handed out by iterations now recording
 
     def read(self, name: str, value: str | None) -> None:
-        if not name.startswith(_OWN):
+        if not _ours(name):
             self.names.setdefault(name, value)
 
     def lose(self, why: str) -> None:
@@ -203,6 +207,10 @@ def recording(reads: Reads):
         reads.settle()
 
 
+def _ours(name: str) -> bool:
+    return name.startswith(_OWN) or name in INTERPRETERS_OWN
+
+
 def differs(run_env, own_env, names, prefixes) -> str:
     """The first variable whose value in ``run_env`` is not the one the imports read, or ""."""
     def show(value):
@@ -213,7 +221,7 @@ def differs(run_env, own_env, names, prefixes) -> str:
             return f"{name} is {show(run_env.get(name))} here but was {show(value)} when the interpreter imported"
     for prefix in prefixes:
         for name in {*run_env, *own_env}:
-            if name.startswith(prefix) and not name.startswith(_OWN) and run_env.get(name) != own_env.get(name):
+            if name.startswith(prefix) and not _ours(name) and run_env.get(name) != own_env.get(name):
                 return (f"{name} is {show(run_env.get(name))} here but {show(own_env.get(name))} in the interpreter, "
                         f"whose imports read every {prefix}* variable")
     return ""
@@ -224,7 +232,7 @@ def select(env: dict, names, prefixes) -> dict:
     chosen = {n: env[n] for n in names if n in env}
     if prefixes:
         prefixes = tuple(prefixes)
-        chosen.update((n, v) for n, v in env.items() if n.startswith(prefixes) and not n.startswith(_OWN))
+        chosen.update((n, v) for n, v in env.items() if n.startswith(prefixes) and not _ours(n))
     return {n: v for n, v in chosen.items() if isinstance(n, str) and isinstance(v, str)}
 
 

@@ -86,7 +86,7 @@ PREIMPORT = ("torch",)
 # Note [Warm interpreters never touch CUDA] in overmind.server.pool: imports that ask whether CUDA
 # is there (torch.cuda.is_available()) ask NVML, which does not initialise CUDA; each child
 # gets the caller's own value back.
-NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # in INTERPRETERS_OWN: never compared with a run's (overmind.shared.import_env)
 # Seconds without a message from the server before a priming step starts: Note [Priming waits
 # for a pause] in overmind.warm.compiled.
 PRIME_AFTER_QUIET = 0.5
