@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "and whole_process run under it. Without this option every run uses the current value, "
                              "which the table and JSON report")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: adds .to(device) to every load")
+    parser.add_argument("--imports", metavar="LIST", default="",
+                        help="modules the warm-up curve's and whole-process scripts import right after torch, as "
+                             "a user's own libraries, e.g. pandas,scipy.stats (each must be importable here)")
     parser.add_argument("--loader", help="your model: module:Class with a from_pretrained, "
                                          "e.g. diffusers:DiffusionPipeline")
     parser.add_argument("--model", help="your model: a path or a hub id already in the local cache")
@@ -120,6 +123,21 @@ def _names(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
     unknown = [n for n in names if n not in allowed]
     if unknown:
         raise ValueError(f"{option}: unknown {', '.join(unknown)}; choose from {', '.join(allowed)}")
+    return names
+
+
+def _importable(text: str) -> tuple[str, ...]:
+    """--imports: module names, each one this interpreter finds (a typo fails now, not in every run)."""
+    import importlib.util
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ValueError(f"--imports: no module named {name!r} in {sys.executable}")
     return names
 
 
@@ -192,6 +210,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         warm_runs=args.warm_runs or args.runs or defaults["warm_runs"], modes=modes,
         memory_procs=args.memory_procs or defaults["memory_procs"],
         startup_repeats=args.startup_repeats or defaults["startup_repeats"], device=args.device,
+        script_imports=_importable(args.imports),
         process_per=args.process_per or defaults["process_per"], cold_mode=args.cold_mode, quick=args.quick,
         whole_scripts=whole_scripts, whole_modes=tuple(m for m in WHOLE_MODES if m in whole_modes),
         whole_runs=args.whole_runs or defaults["whole_runs"],
@@ -353,7 +372,8 @@ def _warmup_curve(plan: Plan, paths: dict, log_dir: Path, say, switch: Optional[
     curve = WarmupCurve(plan, paths, log_dir, echo=say, switch=switch)
     say(f"warm-up curve: {', '.join(plan.curve_scripts)} x python, {', '.join(plan.curve_modes)}; "
         f"{plan.curve_rounds} rounds of, per mode, {plan.curve_plain} plain runs then runs 1-5 and one after a restart, "
-        f"page cache {' and '.join(plan.curve_page_cache)}; scripts in {curve.dir}")
+        f"page cache {' and '.join(plan.curve_page_cache)}; scripts in {curve.dir}"
+        f"{'; each imports ' + ', '.join(plan.script_imports) + ' after torch' if plan.script_imports else ''}")
     try:
         return curve.run()
     finally:

@@ -111,7 +111,8 @@ class WarmupCurve:
         scripts = [SCRIPTS[n] for n in self.plan.curve_scripts]
         for script in scripts:
             (self.dir / f"{script.name}.py").write_text(
-                script_source(script.name, {n: self.paths[n] for n in script.models}, self.plan.device))
+                script_source(script.name, {n: self.paths[n] for n in script.models}, self.plan.device,
+                              self.plan.script_imports))
         settings = self.switch.values if self.switch else [shmem.current()]
         for setting in settings:
             if self.switch:

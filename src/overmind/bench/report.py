@@ -17,6 +17,7 @@ Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` o
                    "modes": [str], "page_cache": [str], "page_cache_method": str|null,
                    "memory_procs": int, "process_per": "scenario"|"run",
                    "cold_mode": "background"|"wait", "cache_dir": str,
+                   "imports": [str],            # --imports: what the scripts import after torch
                    "shmem_enabled": str|null,   # the machine's value when the run started
                    "shmem_enabled_runs": [str]},  # --shmem-enabled: the values the loads ran
                                                   # under in turn; [] when not asked
@@ -174,7 +175,8 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
                      "warm_runs": plan.warm_runs, "modes": list(plan.modes), "page_cache": list(plan.page_cache),
                      "page_cache_method": plan.page_cache_method, "memory_procs": plan.memory_procs,
                      "process_per": plan.process_per, "cold_mode": plan.cold_mode, "cache_dir": str(cache_dir),
-                     "shmem_enabled": shmem_enabled, "shmem_enabled_runs": list(plan.shmem_settings)},
+                     "shmem_enabled": shmem_enabled, "shmem_enabled_runs": list(plan.shmem_settings),
+                     "imports": list(plan.script_imports)},
         "startup": None if startup is None else {
             "bare_s": _summary(startup["bare_s"]), "patched_s": _summary(startup["patched_s"]),
             "added_s": startup["added_s"]},

@@ -70,6 +70,7 @@ class Plan:
     memory_procs: int = 4
     startup_repeats: int = 20
     device: str = "cpu"
+    script_imports: tuple[str, ...] = ()  # --imports: what the curve's and whole process's scripts import after torch
     process_per: str = "scenario"
     cold_mode: str = "background"
     quick: bool = False

@@ -169,12 +169,14 @@ def _dtype_keyword() -> str:
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
-def script_source(name: str, paths: dict, device: str = "cpu") -> str:
+def script_source(name: str, paths: dict, device: str = "cpu", imports: tuple = ()) -> str:
     """The text of a script that loads from ``paths`` (model name -> path) and moves the model
-    to ``device`` (``overmind-bench --device``) before it is ready."""
+    to ``device`` (``overmind-bench --device``) before it is ready; ``imports`` (``--imports``):
+    modules it imports right after torch, as a user's script imports its own libraries."""
     fields = {k: str(v) for k, v in paths.items()}
     sync = "torch.cuda.synchronize()\n" if device.startswith("cuda") else ""
-    return _PRELUDE.format(mark=MARK) + "\n" + _BODIES[name].format(dtype_keyword=_dtype_keyword(), device=device,
+    own = "".join(f"import {module}\n" for module in imports)
+    return _PRELUDE.format(mark=MARK) + own + "\n" + _BODIES[name].format(dtype_keyword=_dtype_keyword(), device=device,
                                                                      sync=sync, **fields)
 
 
@@ -371,7 +373,8 @@ class WholeProcess:
         for script in scripts:
             if not script.code:
                 (self.dir / f"{script.name}.py").write_text(
-                    script_source(script.name, {n: self.paths[n] for n in script.models}, plan.device))
+                    script_source(script.name, {n: self.paths[n] for n in script.models}, plan.device,
+                                  plan.script_imports))
         # The context's interpreter starts now (the first run of a context goes plain).
         self.once(SCRIPTS["imports"], "run", "start-interpreter", argv=[*self.front, "-c", "pass"])
         for script in scripts:
