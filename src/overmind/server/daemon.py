@@ -332,7 +332,7 @@ class Server:
         elif isinstance(message, P.Shutdown):
             P.send_message(conn, P.Ok())
             logger.info("shutdown requested by pid %d", pid)
-            threading.Thread(target=lambda: os.kill(os.getpid(), signal.SIGTERM), daemon=True).start()
+            self.stopping.set()  # not a signal to ourselves: one we inherited blocked would never arrive
         else:
             raise P.ProtocolError(f"unexpected {type(message).__name__} from a client")
 
@@ -430,6 +430,24 @@ def _limit_malloc_arenas() -> None:
         pass
 
 
+def _clean_signals() -> None:
+    """Note [A server's signals are its own]
+    A server is started by whoever came first: a shell, systemd, or a client that autostarted it
+    from inside a warm start, whose signal mask blocked HUP, INT, TERM and more while it handed
+    its run over. A process inherits the mask and ignored signals across exec, so such a server
+    could not be stopped by SIGTERM (kill, systemctl stop). It starts with an empty mask and the
+    default disposition of every signal its starter ignored; its warm interpreters inherit that."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    for number in signal.valid_signals():
+        if number in (signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE):  # SIGPIPE: Python ignores it itself
+            continue
+        try:
+            if signal.getsignal(number) is signal.SIG_IGN:
+                signal.signal(number, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+
+
 def _install_signals(server: Server) -> None:
     def on_term(signum, frame):
         if server.stopping.is_set():
@@ -466,6 +484,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--max-memory", help="memory budget for cached models: 40G, 512M, 60%% (of RAM) or bytes; "
                         "default OVERMIND_MAX_MEMORY, else 50%% of RAM. Least recently used entries are evicted.")
     args = parser.parse_args(argv)
+    _clean_signals()  # Note [A server's signals are its own]
     env = dict(os.environ)
     if args.runtime_dir:
         env["OVERMIND_RUNTIME_DIR"] = args.runtime_dir
