@@ -328,3 +328,38 @@ def test_aoti_packages_a_context_learned_survive_a_restart(tmp_path):
 
     Restore(keeper.config, None, _Loads(), None, None)._teach(state)
     assert fresh.lessons.packages_for(base) == [PACKAGE]  # its interpreters preload it
+
+
+def test_state_files_of_runtime_dirs_that_are_gone_are_removed_by_the_next_server(tmp_path):
+    # Note [State files die with their runtime directory]: five servers on runtime dirs that are
+    # then removed leave five files; the next server to start keeps its own and a live one's.
+    import shutil
+
+    state = tmp_path / "state"
+
+    def keeper(run: str) -> StateKeeper:
+        (tmp_path / run).mkdir(mode=0o700, exist_ok=True)
+        config = Config(tmp_path / run, state_dir=state)
+        return StateKeeper(config, _Registry(), WarmPool(config), ProgramHistory())
+
+    for i in range(5):
+        k = keeper(f"gone-{i}")
+        k.open(*CHECKS)
+        k.record(P.Load(**_entry(tmp_path, key=f"{i:032d}")["load"]), b"call", _Entry(tmp_path))
+        assert k.save_if_changed()
+        k.close()
+    for i in range(5):
+        shutil.rmtree(tmp_path / f"gone-{i}")
+    (state / "state-foreign.json").symlink_to(tmp_path / "elsewhere.json")  # never followed, never removed
+    assert len(list(state.glob("state-*.json"))) == 6
+    live = keeper("live")
+    live.open(*CHECKS)
+    live.record(P.Load(**_entry(tmp_path)["load"]), b"call", _Entry(tmp_path))
+    assert live.save_if_changed()
+    left = sorted(p.name for p in state.glob("state-*.json"))
+    assert left == sorted([live.config.state_path.name, "state-foreign.json"]), left
+    live.close()
+    new = keeper("new")  # a live server's file stays
+    new.open(*CHECKS)
+    assert live.config.state_path.exists()
+    new.close()

@@ -201,6 +201,32 @@ def remove_leftovers(dir_fd: int, name: str) -> int:
     return removed
 
 
+def remove_orphans(dir_fd: int, name: str) -> int:
+    """Note [State files die with their runtime directory]
+    Each runtime directory has its own state file (``Config.state_path``), and a runtime
+    directory is often short-lived: a test's, a benchmark's, a container's. Their files would
+    pile up for ever (13 after one morning of runs). A server that opens the state directory
+    removes the state files, but its own, whose recorded runtime directory no longer exists: no
+    server can restore from them again (a new server there makes a new file). Files of another
+    uid, links, and files it cannot read are left alone."""
+    removed = 0
+    for entry in os.listdir(dir_fd):
+        if entry == name or not (entry.startswith("state-") and entry.endswith(".json")):
+            continue
+        try:
+            data = read_state(dir_fd, entry)
+            runtime_dir = json.loads(data).get("runtime_dir") if data else None
+        except (StateError, ValueError, AttributeError):
+            continue
+        if isinstance(runtime_dir, str) and os.path.isabs(runtime_dir) and not os.path.lexists(runtime_dir):
+            try:
+                os.unlink(entry, dir_fd=dir_fd)
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 # -- the content: checked as a client's request is --------------------------------------------
 
 
@@ -347,6 +373,9 @@ class StateKeeper:
         left = remove_leftovers(self.dir_fd, self.path.name)
         if left:
             logger.info("removed %d temporary state file(s) of interrupted saves", left)
+        orphans = remove_orphans(self.dir_fd, self.path.name)
+        if orphans:
+            logger.info("removed %d state file(s) of runtime directories that no longer exist", orphans)
         try:
             data = read_state(self.dir_fd, self.path.name)
             if data is None:
