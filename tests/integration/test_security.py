@@ -128,6 +128,19 @@ def test_an_existing_runtime_dir_open_to_others_is_refused_and_left_as_it_was(ru
     assert os.listdir(shared) == []
 
 
+def test_the_cli_creates_nothing_in_a_runtime_dir_it_would_refuse(runtime_dir):
+    # A server refuses a runtime dir open to others; `overmind status` must not write there either
+    # (it used to leave a server.instance.lock behind while looking for a server).
+    shared = runtime_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    env = child_env(OVERMIND_RUNTIME_DIR=str(shared), OVERMIND_NO_AUTOSTART="1")
+    for command in (["status"], ["list"]):
+        subprocess.run([sys.executable, "-m", "overmind.frontend.cli", *command], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
+    assert os.listdir(shared) == []
+
+
 def test_a_new_runtime_dir_is_created_private(runtime_dir):
     fresh = runtime_dir / "a" / "b"
     ensure_private_dir(fresh)

@@ -340,9 +340,9 @@ def ensure_private_dir(path: Path, what: str = "runtime directory", setting: str
     return path
 
 
-def open_runtime_file(path: Path, flags: int = os.O_RDWR, mode: int = 0o600) -> int:
-    """Open (creating) a file of the runtime directory; returns an fd. Refuses anything but a
-    regular file of ours: Note [Runtime files are opened, never followed].
+def open_runtime_file(path: Path, flags: int = os.O_RDWR, mode: int = 0o600, create: bool = True) -> int:
+    """Open (creating, unless ``create`` is false) a file of the runtime directory; returns an fd.
+    Refuses anything but a regular file of ours: Note [Runtime files are opened, never followed].
 
     Note [Runtime files are opened, never followed]
     The runtime directory is checked private before use, but files in it may predate the
@@ -353,7 +353,7 @@ def open_runtime_file(path: Path, flags: int = os.O_RDWR, mode: int = 0o600) -> 
     the old name, which replaces whatever was there instead of following it.
     """
     try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+        fd = os.open(path, flags | (os.O_CREAT if create else 0) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise ConfigError(f"cannot open {path}: it is a symlink; remove it") from None

@@ -61,7 +61,8 @@ def server_holding(config: Config) -> bool:
     """Does a live server hold this runtime dir (Note [One server per runtime directory] in
     overmind.server.daemon), whether or not its socket can be reached?"""
     try:
-        fd = open_runtime_file(config.instance_lock_path, os.O_RDONLY)
+        # Only looked at: a command never creates a file in a runtime dir it has not checked.
+        fd = open_runtime_file(config.instance_lock_path, os.O_RDONLY, create=False)
     except Exception:
         return False
     try:
