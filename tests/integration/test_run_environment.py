@@ -144,6 +144,58 @@ def test_the_first_run_of_a_context_starts_an_interpreter_under_its_settings_so_
         shutil.rmtree(runtime, ignore_errors=True)
 
 
+class _Autostarted:
+    """The server the first `overmind run` of a shell started, as the tests' ServerProcess is used."""
+
+    def __init__(self, env: dict) -> None:
+        self.env = env
+
+    def client_env(self) -> dict:
+        return dict(self.env)
+
+    def status(self) -> dict:
+        from overmind.shared import protocol as P
+        from overmind.client.connection import Connection
+        from overmind.shared.config import Config
+
+        with Connection.open(Config.from_env(self.env), role="cli", autostart=False) as conn:
+            return conn.simple(P.Status(), P.StatusReply).info
+
+    def log(self) -> str:
+        try:
+            return (Path(self.env["OVERMIND_RUNTIME_DIR"]) / "server.log").read_text()
+        except OSError:
+            return ""
+
+
+def test_a_setting_of_the_users_shell_reaches_the_interpreter_of_a_server_its_first_run_autostarted(tmp_path, envlib):
+    """Note [A run's interpreter imports under the run's environment] in overmind.server.pool, when
+    no server runs yet: run 1 starts one and goes plain, and its report (the first run's Prepare)
+    carries the run's environment, so run 2 is forked and sees the shell's value."""
+    from ..conftest import child_env
+
+    script = tmp_path / "flavour.py"
+    # torch first, as the scripts of users do: the run outlasts the start of the server it started.
+    script.write_text(f"import sys\nheld = {envlib!r} in sys.modules\nimport torch\nimport {envlib} as lib\n"
+                      "print(held, lib.FLAVOUR, lib.EXTRAS)\n")
+    runtime = Path(tempfile.mkdtemp(prefix="om-env-auto-", dir="/tmp"))
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime), **{f"{_prefix()}_FLAVOUR": "spicy"})
+    server = _Autostarted(env)
+    try:
+        first = _run(server, str(script), env=env, cwd=tmp_path)  # no server: starts one, runs plainly
+        assert first.returncode == 0 and first.stdout == "False spicy []\n", first.stderr[-3000:]
+        deadline = time.monotonic() + 60
+        while not (runtime / "server.sock").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        runs = _until_warm_and_held(server, [str(script)], env, tmp_path,
+                                    lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
+        assert all(forked for forked, _ in runs), f"a run went plain on the way: {runs}\n{server.log()[-3000:]}"
+    finally:
+        subprocess.run([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=env, capture_output=True,
+                       timeout=60)
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
 READ_ENV = """
 import os
 

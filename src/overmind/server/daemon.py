@@ -44,6 +44,7 @@ from overmind.server.restore import Restore
 from overmind.server.settle import Settler
 from overmind.server.state import StateKeeper
 from overmind.shared.packages import packages_from_wire
+from overmind.shared.contexts import environment_from_wire
 
 logger = logging.getLogger("overmind.server.daemon")
 
@@ -319,10 +320,13 @@ class Server:
             try:
                 context, _, _ = context_from_wire(message.context)
                 modules = ColdLoads.check_modules(message.modules)
+                env = environment_from_wire(message.env) if message.env else None
             except LoadFailure as failure:
                 return reply_error(conn, failure.code, failure.message)
+            except ValueError as err:
+                return reply_error(conn, P.ErrorCode.BAD_REQUEST, str(err))
             packages = packages_from_wire(message.packages)  # Note [AOTInductor packages are handed over]
-            threading.Thread(target=self.pool.prepare, args=(context, modules, packages), daemon=True,
+            threading.Thread(target=self.pool.prepare, args=(context, modules, packages, env), daemon=True,
                              name="overmind-prepare").start()
             P.send_message(conn, P.Ok())
         elif isinstance(message, P.PlainLoaded):  # no answer: the client does not wait for one

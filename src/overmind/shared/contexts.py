@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 from overmind.shared.config import selecting_environment
 
-__all__ = ["Context", "RunSpec", "caller_context", "load_context_from_wire", "MODES", "mark_warm_run",
-           "in_warm_run"]
+__all__ = ["Context", "RunSpec", "caller_context", "load_context_from_wire", "environment_from_wire", "MODES",
+           "mark_warm_run", "in_warm_run"]
 
 MODES = ("script", "module", "code")
 
@@ -63,6 +63,16 @@ class Context:
         if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
             raise ValueError("context env must map strings to strings")
         return cls(python, tuple(sorted(selecting_environment(env).items())))
+
+
+def environment_from_wire(env: object) -> dict:
+    """A whole environment as a client sent it (``Prepare.env``), validated: ValueError if it is not
+    names to values that an exec could take."""
+    if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+            for k, v in env.items()):
+        raise ValueError("an environment must map names (no '=' or NUL) to strings (no NUL)")
+    return dict(env)
 
 
 _warm_run = False  # this process is a run forked from a warm interpreter (overmind.warm.child)

@@ -67,7 +67,9 @@ def _import_theirs() -> None:
 def _teach() -> None:
     import threading
 
-    state = {"seen": set(), "sock": None, "lock": threading.Lock()}
+    # The run's environment as it started, for the interpreter the server starts for this context:
+    # Note [A run's interpreter imports under the run's environment] in overmind.server.pool.
+    state = {"seen": set(), "sock": None, "lock": threading.Lock(), "env": dict(os.environ)}
 
     def report(extra: list = ()) -> bool:
         from overmind.shared import protocol as P
@@ -83,7 +85,8 @@ def _teach() -> None:
                 from overmind.shared.connect import handshake
 
                 state["sock"] = handshake(Config.from_env(), "run")[0]
-            P.send_message(state["sock"], P.Prepare(caller_context(), modules=new))
+            env, state["env"] = state["env"], {}  # the first report starts the interpreter: only it carries it
+            P.send_message(state["sock"], P.Prepare(caller_context(), modules=new, env=env))
             P.expect(P.recv_message(state["sock"], max_blob=0)[0], P.Ok)
         return True
 
@@ -92,15 +95,16 @@ def _teach() -> None:
 
         quiet_since = time.monotonic()
         count = -1
-        try:
-            while time.monotonic() - quiet_since < QUIET_AFTER:
-                time.sleep(REPORT_INTERVAL)
-                if len(sys.modules) != count:
-                    count = len(sys.modules)
+        while time.monotonic() - quiet_since < QUIET_AFTER:
+            time.sleep(REPORT_INTERVAL)
+            if len(sys.modules) != count:
+                try:
                     if report():
                         quiet_since = time.monotonic()
-        except Exception:  # noqa: BLE001 - learning is a bonus; the run must not notice
-            pass
+                    count = len(sys.modules)
+                except Exception:  # noqa: BLE001 - learning is a bonus; the run must not notice
+                    # A server this run autostarted may not listen yet: the same news, next time.
+                    state["sock"] = None
 
     def at_exit() -> None:
         try:

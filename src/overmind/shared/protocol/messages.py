@@ -197,6 +197,9 @@ class Prepare(Message):
     context: dict
     modules: list = []  # installed modules this client imported since it last said (Note [Warm interpreters learn])
     packages: list = []  # AOTInductor packages it loaded plainly (Note [AOTInductor packages are handed over])
+    # A plain first run's whole environment: a new interpreter imports under it (Note [A run's
+    # interpreter imports under the run's environment] in overmind.server.pool); {}: the context's.
+    env: dict = {}
 
 
 # -- overmind run: front end <-> server <-> warm interpreter ----------------------
