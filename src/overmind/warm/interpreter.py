@@ -408,8 +408,9 @@ class WarmInterpreter:
 
     def _in_child(self) -> None:
         forget_isa_list()  # Note [Inductor's probes, made once] in overmind.warm.compiled
+        env = self._child_environ()
         os.environ.clear()
-        os.environ.update(self._child_environ())  # a run's child takes the caller's whole environment later
+        os.environ.update(env)  # a run's child takes the caller's whole environment later
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in (self.wakeup_r, self.wakeup_w):
