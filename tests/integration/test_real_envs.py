@@ -159,7 +159,7 @@ def test_a_module_that_starts_an_unknown_native_thread_is_kept_out_and_its_loads
     server = ServerProcess(runtime_dir)
     try:
         env = server.client_env()
-        outputs = _curve(server, script, env, runs=4)
+        outputs = _curve(server, script, env, runs=6)
         log = server.log()
         status = server.status()
     finally:
@@ -167,7 +167,11 @@ def test_a_module_that_starts_an_unknown_native_thread_is_kept_out_and_its_loads
         module.unlink()
         library.unlink()
     assert not any(out["held"] for _, out in outputs)  # never forked with it imported
-    assert [out["hit"] for _, out in outputs][1:] == [True, True, True] and status["hits"] == 3, log[-4000:]
-    assert all(forked for forked, _ in outputs[2:]), log[-4000:]  # settled: forked, without it
-    assert f"(om-stranger) in {name}: {name} is kept out of this context's warm interpreters" in log
-    assert status["warm_retired"] <= 1, log[-4000:]
+    assert all(out["hit"] for _, out in outputs[1:]) and status["hits"] == 5, log[-4000:]
+    # Settled, never a loop: at most two runs after the first went plain (the one that found the
+    # interpreter unable to fork, and one while its successor imported), then every run forked.
+    forked = [f for f, _ in outputs]
+    assert forked[1:].count(False) <= 2 and all(forked[-2:]), (forked, log[-4000:])
+    kept_out = [line for line in log.splitlines() if "is kept out of this context's warm interpreters" in line]
+    assert kept_out and all(f"(om-stranger) in {name}: {name} is kept out" in line for line in kept_out), kept_out
+    assert status["warm_retired"] <= 2, log[-4000:]

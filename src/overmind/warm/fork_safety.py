@@ -185,11 +185,8 @@ class ThreadCensus:
         """The modules whose import, under ``watch``, started a stranger: {module: thread names}."""
         if not watch.blamed:
             return {}
-        strangers = self.strangers()
-        found = {m: sorted(ids & strangers) for m, ids in watch.blamed.items() if ids & strangers}
-        unclaimed = strangers - set().union(*watch.blamed.values())
-        if unclaimed:  # started before the watch began (another import's): blamed on this one all the same
-            found.setdefault(watch.top, []).extend(sorted(unclaimed))
+        strangers = self.strangers()  # a stranger older than the watch is another import's, already blamed
+        found = {m: ids & strangers for m, ids in watch.blamed.items() if ids & strangers}
         return {m: thread_names(ids) for m, ids in found.items()}
 
     def strangers_note(self) -> str:
