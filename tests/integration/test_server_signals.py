@@ -27,11 +27,12 @@ def _autostarted(tmp_path) -> tuple[dict, int]:
     assert proc.returncode == 0 and "ran" in proc.stdout, proc.stderr[-3000:]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        pids = [int(p) for p in subprocess.run(["pgrep", "-f", "overmind.server"], capture_output=True,
-                                                 text=True).stdout.split()]
-        mine = [p for p in pids if _environ_has(p, f"OVERMIND_RUNTIME_DIR={runtime}")]
-        if mine and (runtime / "server.sock").exists():
-            return env, mine[0]
+        try:  # the daemon's own pid (the launcher that started it has exited or is about to)
+            pid = int((runtime / "server.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pid = 0
+        if pid and (runtime / "server.sock").exists() and _environ_has(pid, f"OVERMIND_RUNTIME_DIR={runtime}"):
+            return env, pid
         time.sleep(0.1)
     raise AssertionError(f"no server autostarted in {runtime}")
 
