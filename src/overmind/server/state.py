@@ -190,14 +190,18 @@ def write_state(dir_fd: int, name: str, data: bytes) -> None:
 
 def remove_leftovers(dir_fd: int, name: str) -> int:
     """Temporary files of saves that a kill interrupted: Note [Atomic, rate-limited saves]."""
+    return _unlink_each(dir_fd, [e for e in os.listdir(dir_fd) if e.startswith(f".{name}.") and e.endswith(".tmp")])
+
+
+def _unlink_each(dir_fd: int, entries) -> int:
+    """Unlink each entry of the directory (never following a link); how many went."""
     removed = 0
-    for entry in os.listdir(dir_fd):
-        if entry.startswith(f".{name}.") and entry.endswith(".tmp"):
-            try:
-                os.unlink(entry, dir_fd=dir_fd)
-                removed += 1
-            except OSError:
-                pass
+    for entry in entries:
+        try:
+            os.unlink(entry, dir_fd=dir_fd)
+            removed += 1
+        except OSError:
+            pass
     return removed
 
 
@@ -209,7 +213,7 @@ def remove_orphans(dir_fd: int, name: str) -> int:
     removes the state files, but its own, whose recorded runtime directory no longer exists: no
     server can restore from them again (a new server there makes a new file). Files of another
     uid, links, and files it cannot read are left alone."""
-    removed = 0
+    orphans = []
     for entry in os.listdir(dir_fd):
         if entry == name or not (entry.startswith("state-") and entry.endswith(".json")):
             continue
@@ -219,12 +223,8 @@ def remove_orphans(dir_fd: int, name: str) -> int:
         except (StateError, ValueError, AttributeError):
             continue
         if isinstance(runtime_dir, str) and os.path.isabs(runtime_dir) and not os.path.lexists(runtime_dir):
-            try:
-                os.unlink(entry, dir_fd=dir_fd)
-                removed += 1
-            except OSError:
-                pass
-    return removed
+            orphans.append(entry)
+    return _unlink_each(dir_fd, orphans)
 
 
 # -- the content: checked as a client's request is --------------------------------------------

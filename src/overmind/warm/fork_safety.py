@@ -87,14 +87,15 @@ def thread_names(ids) -> list[str]:
 def stop_pools() -> int:
     """Stop what stops for a fork anyway, or holds nothing once stopped: OpenBLAS's pools and
     NVML (Note [Threads libraries start]); how many were stopped."""
-    return stop_openblas_pools() + stop_nvml()
+    mapped = _mapped_libraries()  # one read of /proc/self/maps for both
+    return stop_openblas_pools(mapped) + stop_nvml(mapped)
 
 
-def stop_nvml() -> int:
+def stop_nvml(mapped: set[str]) -> int:
     """Shut NVML down where it was started (torch's NVML-based CUDA check starts it and never
     stops it, once per call): its threads end, and a later ``nvmlInit`` in a child starts it
-    afresh. 1 if it was running."""
-    if not _mapped_libraries("libnvidia-ml.so"):
+    afresh. 1 if it was running. ``mapped``: the libraries this process maps."""
+    if not _named(mapped, "libnvidia-ml.so"):
         return 0
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1", mode=os.RTLD_NOLOAD)
@@ -106,11 +107,11 @@ def stop_nvml() -> int:
     return 1 if calls else 0
 
 
-def stop_openblas_pools() -> int:
-    """Stop the thread pool of every OpenBLAS this process maps, as its atfork handler does;
-    the number stopped."""
+def stop_openblas_pools(mapped: set[str]) -> int:
+    """Stop the thread pool of every OpenBLAS among ``mapped`` (the libraries this process maps),
+    as its atfork handler does; the number stopped."""
     stopped = 0
-    for path in _mapped_libraries("openblas"):
+    for path in _named(mapped, "openblas"):
         if path not in _openblas:
             try:
                 _openblas[path] = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL).blas_thread_shutdown_
@@ -123,15 +124,19 @@ def stop_openblas_pools() -> int:
     return stopped
 
 
-def _mapped_libraries(word: str) -> set[str]:
+def _mapped_libraries() -> set[str]:
+    """The shared libraries this process maps, by path."""
     found = set()
     with open("/proc/self/maps") as f:
         for line in f:
             path = line.rpartition(" ")[2].strip()
-            name = os.path.basename(path)
-            if word in name and ".so" in name and path.startswith("/"):
+            if path.startswith("/") and ".so" in os.path.basename(path):
                 found.add(path)
     return found
+
+
+def _named(paths: set[str], word: str) -> list[str]:
+    return sorted(p for p in paths if word in os.path.basename(p))
 
 
 def started_since(before: frozenset[str]) -> frozenset[str]:
@@ -154,7 +159,7 @@ def cuda_note() -> str:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialised here (Note [Warm interpreters never touch CUDA] in overmind.server.pool)"
-    for path in _mapped_libraries("libcuda.so"):
+    for path in _named(_mapped_libraries(), "libcuda.so"):
         try:
             count = ctypes.c_int()
             answer = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL).cuDeviceGetCount(ctypes.byref(count))
