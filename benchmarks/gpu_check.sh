@@ -39,6 +39,7 @@
 # GPU_CHECK_INSTALL=auto|always|never (auto: install unless `import overmind` already finds
 # this checkout's src/overmind).
 set -u
+case ${1:-} in -h|--help) sed -n '2,/^set -u$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1

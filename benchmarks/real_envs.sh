@@ -13,6 +13,7 @@
 #
 # ROUNDS (default 2) sets --curve-rounds; results in out/real_envs/<case>.json, logs beside them.
 set -euo pipefail
+case ${1:-} in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 ROUNDS=${ROUNDS:-2}
