@@ -69,7 +69,7 @@ def test_message_type_codes_never_change():
         26: "Shutdown", 27: "Ok", 28: "Prepare",
         30: "Run", 31: "RunRefused", 32: "RunStarted", 33: "RunExited",
         40: "LoaderReady", 41: "Job", 42: "JobStarted", 43: "JobResult", 44: "JobFailed", 45: "Warm", 46: "Fork",
-        47: "Retire", 48: "FillProgress",
+        47: "Retire", 48: "FillProgress", 49: "Unforkable",
     }
     assert {cls.__name__ for cls in P.MESSAGE_TYPES.values() if cls.WITH_BLOB} == {"Load", "Entry", "Contents", "EntryList", "Job",
                                                                                           "JobResult"}
@@ -137,6 +137,7 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.FillProgress(key="k", written=1 << 30, expected=2 << 30, original_seconds=0.25), b""),
     (P.JobFailed(key="k", code=P.ErrorCode.LOADER_FAILED, message="OSError: no", traceback="tb"), b""),
     (P.JobFailed(key="run", code=P.ErrorCode.NOT_FORKABLE, message="2 threads", refused=["threader"]), b""),
+    (P.Unforkable(why="1 native thread", refused=["threader"], environ={"names": ["HF_HOME"]}), b""),
 ]
 
 

@@ -135,6 +135,8 @@ class Server:
         state = self.state.open(ColdLoads.check_request, context_from_wire, ColdLoads.check_modules)
         threading.Thread(target=self.state.run, args=(self.stopping,), daemon=True, name="overmind-state").start()
         threading.Thread(target=self.settler.run, daemon=True, name="overmind-settle").start()
+        threading.Thread(target=self.pool.watch_notices, args=(self.stopping,), daemon=True,
+                         name="overmind-notices").start()
         self.restore.start(state)
 
     def _bind(self) -> None:

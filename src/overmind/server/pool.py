@@ -25,11 +25,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import threading
 import time
+import weakref
 from collections import OrderedDict
 
 from overmind.shared import protocol as P
@@ -46,6 +48,7 @@ __all__ = ["Context", "Fill", "WarmPool", "LoadFailure", "RunRefused", "context_
 
 READY_TIMEOUT = 300.0
 MAX_CANNOT_FORK = 3  # interpreters of a lineage retired in a row as unable to fork, before its runs go plain
+NOTICE_POLL = 0.25  # seconds between looks for an interpreter's Unforkable (WarmPool.watch_notices)
 FORK_TIMEOUT = 30.0  # a Fork waits at most for one learned module's import (Note [Warm interpreters learn])
 
 
@@ -160,6 +163,10 @@ class WarmProcess:
             self.sock.settimeout(timeout)
             reply, _, got = P.recv_message(self.sock, max_blob=0)
             P.close_fds(got)
+            while isinstance(reply, P.Unforkable):  # said before our message reached it: the answer follows
+                self._heard_unforkable(reply)
+                reply, _, got = P.recv_message(self.sock, max_blob=0)
+                P.close_fds(got)
             if isinstance(reply, (P.JobFailed, P.JobStarted)):
                 self._heard(reply.environ)
             if isinstance(reply, P.JobFailed):
@@ -173,6 +180,33 @@ class WarmProcess:
             self.learned = list(started.learned)
             self.last_used = time.time()
             return started
+
+    def _heard_unforkable(self, notice: P.Unforkable) -> None:
+        self._heard(notice.environ)
+        self.unforkable = str(notice.why)[:1000] or "it said it cannot fork"
+        self.refused = sorted(set(self.refused) | {n for n in notice.refused if isinstance(n, str)})
+
+    def take_notice(self) -> bool:
+        """Whether it said, unasked, that it can fork no more (Note [A tainted interpreter says so at
+        once] in overmind.warm.interpreter); never waits. The caller holds ``self.lock``."""
+        if self.unforkable:
+            return True
+        if not self.ready or self.retired:
+            return False
+        try:
+            if not select.select([self.sock], [], [], 0)[0]:
+                return False
+            self.sock.settimeout(READY_TIMEOUT)  # the rest of a message already begun
+            message, _, fds = P.recv_message(self.sock, max_blob=0)
+        except (OSError, EOFError, P.ProtocolError) as err:
+            self.unforkable = f"its control socket failed: {err}"
+            return True
+        P.close_fds(fds)
+        if not isinstance(message, P.Unforkable):
+            self.unforkable = f"it sent {type(message).__name__} unasked"
+            return True
+        self._heard_unforkable(message)
+        return True
 
     def _heard(self, environ) -> None:
         names, prefixes = reads_from_wire(environ)  # untrusted: validated, bounded
@@ -246,6 +280,7 @@ class WarmPool:
         self.retired = 0
         self._settling = _Settling()
         self._cannot_fork: dict[str, int] = {}  # lineage -> interpreters retired as unable to fork
+        self._counted_unforkable: "weakref.WeakSet[WarmProcess]" = weakref.WeakSet()
 
     def _interpreter(self, context: Context, create: bool = True, env: dict | None = None) -> WarmProcess | None:
         with self.lock:
@@ -286,6 +321,9 @@ class WarmPool:
         in a loop of interpreters started and retired."""
         lineage = interpreter.context.lineage
         with self.lock:
+            if interpreter in self._counted_unforkable:  # found so by another path too: counted once
+                return self._cannot_fork.get(lineage, 0) < MAX_CANNOT_FORK
+            self._counted_unforkable.add(interpreter)
             count = self._cannot_fork[lineage] = self._cannot_fork.get(lineage, 0) + 1
         self._retire(interpreter, why)
         if count == MAX_CANNOT_FORK:
@@ -317,12 +355,19 @@ class WarmPool:
                 return self._learn_packages(context, packages)
             if modules:
                 self.lessons.add(context, modules)
-            interpreter = self._interpreter(context, env=env)
-            with interpreter.lock:
-                if not interpreter.ready and not interpreter.retired:
-                    interpreter._wait_ready()
-                if modules and not interpreter.retired:
-                    P.send_message(interpreter.sock, P.Warm(list(modules)))
+            for _ in range(2):
+                interpreter = self._interpreter(context, env=env)
+                with interpreter.lock:
+                    if not interpreter.ready and not interpreter.retired:
+                        interpreter._wait_ready()
+                    tainted = interpreter.take_notice()
+                    if modules and not interpreter.retired and not tainted:
+                        P.send_message(interpreter.sock, P.Warm(list(modules)))
+                # Note [A tainted interpreter says so at once] in overmind.warm.interpreter: its successor
+                # starts now, under the same environment, and learns what it learned but the refused.
+                if not tainted or not self._retire_unforkable(interpreter, interpreter.unforkable):
+                    break
+                env = interpreter.start_env
             if packages:
                 self._learn_packages(context, packages)
         except Exception as err:  # a later load retries and reports properly
@@ -340,6 +385,8 @@ class WarmPool:
         for attempt in (1, 2):
             try:
                 interpreter = self._interpreter(context)
+                if self._said_unforkable(interpreter):  # its successor forks the Job once ready
+                    interpreter = self._interpreter(context)
             except OSError as err:  # the interpreter cannot be executed at all
                 raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
                                   f"could not start a loader with {context.python}: {err}") from None
@@ -505,6 +552,7 @@ class WarmPool:
         now = time.time()
         with self.lock:
             interpreters = list(self.interpreters.values())
+        self.take_notices()
         for interpreter in interpreters:
             if interpreter.ready and now - interpreter.last_used > self.config.warm_idle:
                 self._retire(interpreter, f"idle for {now - interpreter.last_used:.0f}s")
@@ -518,6 +566,38 @@ class WarmPool:
             total -= sizes[interpreter.proc.pid]
             self._retire(interpreter, "over OVERMIND_WARM_MEMORY")
 
+    def watch_notices(self, stopping: threading.Event) -> None:
+        """The server's thread that hears an interpreter say it cannot fork as soon as it says so
+        (Note [A tainted interpreter says so at once] in overmind.warm.interpreter)."""
+        while not stopping.is_set():
+            socks = [i.sock for i in self.live() if i.ready and not i.retired]
+            try:
+                readable = select.select(socks, [], [], NOTICE_POLL)[0] if socks else []
+            except (OSError, ValueError):  # one was closed meanwhile (retired): look again
+                readable = []
+            if not socks:
+                stopping.wait(NOTICE_POLL)
+            elif readable:
+                self.take_notices()
+                stopping.wait(0.02)  # what stays readable is a reply its Job or Fork reads
+
+    def take_notices(self) -> None:
+        """Retire each interpreter that said, unasked, that it cannot fork, and start its successor
+        (Note [A tainted interpreter says so at once] in overmind.warm.interpreter); never waits."""
+        for interpreter in self.live():
+            if self._said_unforkable(interpreter):
+                self._prepare_soon(interpreter.context, interpreter.start_env)
+
+    def _said_unforkable(self, interpreter: WarmProcess) -> bool:
+        """Retire ``interpreter`` if it said it cannot fork; True when its lineage may have a successor."""
+        if not interpreter.lock.acquire(blocking=False):  # busy: whoever holds it hears the notice
+            return False
+        try:
+            tainted = interpreter.take_notice()
+        finally:
+            interpreter.lock.release()
+        return tainted and self._retire_unforkable(interpreter, interpreter.unforkable)
+
     def _discard(self, interpreter: WarmProcess) -> None:
         with self.lock:
             if self.interpreters.get(interpreter.context.key) is interpreter:
@@ -530,6 +610,7 @@ class WarmPool:
             return list(self.interpreters.values())
 
     def describe(self) -> list:
+        self.take_notices()  # what status shows is what a run would find
         now = time.time()
         with self.lock:
             interpreters = list(self.interpreters.items())

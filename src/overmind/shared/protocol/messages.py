@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from overmind.shared.protocol.base import Message, ProtocolError, message
 
-__all__ = ["Hello", "Welcome", "Error", "Load", "PlainLoaded", "Prefetch", "PrefetchReply", "Entry", "Pending", "GetFds", "Fds", "Contents", "Status", "StatusReply", "ListEntries", "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire", "LoaderReady", "Job", "JobStarted", "JobResult", "LoadMeta", "FillProgress", "JobFailed", "MESSAGE_TYPES"]
+__all__ = ["Hello", "Welcome", "Error", "Load", "PlainLoaded", "Prefetch", "PrefetchReply", "Entry", "Pending", "GetFds", "Fds", "Contents", "Status", "StatusReply", "ListEntries", "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire", "LoaderReady", "Job", "JobStarted", "JobResult", "LoadMeta", "FillProgress", "JobFailed", "Unforkable", "MESSAGE_TYPES"]
 
 
 @message
@@ -373,10 +373,22 @@ class JobFailed(Message):
     environ: dict = {}  # names and prefixes its imports read since it last said (overmind.shared.import_env)
 
 
+@message
+class Unforkable(Message):
+    """A warm interpreter's one unasked message: an import it learned started a thread nobody
+    vouches for, so it can fork no more (Note [A tainted interpreter says so at once] in
+    overmind.warm.interpreter). The server retires it and starts its successor now, not at the next run."""
+
+    TYPE: ClassVar[int] = 49
+    why: str
+    refused: list = []  # the modules to keep out of its successor
+    environ: dict = {}  # names and prefixes its imports read since it last said (overmind.shared.import_env)
+
+
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, Contents, Status, StatusReply,
                 ListEntries, EntryList, Evict, Evicted, Shutdown, Ok, Prepare, Run, RunRefused, RunStarted, RunExited,
-                LoaderReady, Job, JobStarted, JobResult, FillProgress, JobFailed, Warm, Fork, Retire, PlainLoaded, Prefetch,
+                LoaderReady, Job, JobStarted, JobResult, FillProgress, JobFailed, Unforkable, Warm, Fork, Retire, PlainLoaded, Prefetch,
                 PrefetchReply)
 }
