@@ -1,4 +1,4 @@
-"""Never worse than no cache (DESIGN invariant 4): every way the cache path can fail.
+"""Never worse than no cache (ARCHITECTURE.md, invariant 4): every way the cache path can fail.
 
 Each scenario runs real client processes against a real server (or none, or a dead,
 frozen or fake one) and compares what the user got with a plain load of the same

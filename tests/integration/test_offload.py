@@ -1,4 +1,4 @@
-"""What cannot be rebuilt is not cached (DESIGN invariant 9): a model offloaded to disk.
+"""What cannot be rebuilt is not cached (ARCHITECTURE.md, invariant 9): a model offloaded to disk.
 
 ``device_map="auto"`` with too little memory leaves weights on the meta device and accelerate
 hooks that read them from the checkpoint or an offload folder on every forward pass. Nothing

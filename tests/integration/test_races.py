@@ -1,4 +1,4 @@
-"""A segment is what it claims to be (DESIGN invariant 7), even when its entry goes away.
+"""A segment is what it claims to be (ARCHITECTURE.md, invariant 7), even when its entry goes away.
 
 An ``Entry`` reply names segments by the server's fd numbers, and the server reuses a
 number the moment eviction closes it. Each test here replays the race step by step,

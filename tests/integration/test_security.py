@@ -1,4 +1,4 @@
-"""Only the owner gets in, and no peer can take the server down (DESIGN invariant 5).
+"""Only the owner gets in, and no peer can take the server down (ARCHITECTURE.md, invariant 5).
 
 Every test talks to a real ``overmind-server`` subprocess over its real socket; the
 "other user" is a real process running as uid 65534 (``setpriv``).

@@ -17,7 +17,8 @@ of the same size when two fine-tunes share an architecture. So the reply also ca
 segment's (st_dev, st_ino), taken under the registry's lock, and every open by number is
 checked against it before mapping (``Segment.check``); a mismatch raises
 :class:`SegmentChanged` and the caller asks once more (by then a miss, or the new entry).
-Fds received over ``SCM_RIGHTS`` are checked the same way. DESIGN invariant 7.
+Fds received over ``SCM_RIGHTS`` are checked the same way (ARCHITECTURE.md, invariant 7: A
+segment is what it claims to be).
 
 Note [Segments across PID namespaces]
 The ``Welcome`` names the server's pid as the server sees it; in a container (a Kubernetes

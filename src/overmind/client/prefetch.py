@@ -25,8 +25,9 @@ unpopulated and faults in what it uses. When the
 load call comes, the server's answer names each segment by (device, inode, size); a prepared
 mapping of that very file is used instead of a new one (the mapping holds the file open, so
 that identity cannot be reused while it exists), and each prepared mapping is used at most
-once, so two loads in one process still get two mappings (DESIGN invariant 1). A mapping the
-answer does not name is never used; those left over are closed after LEFTOVER_SECONDS.
+once, so two loads in one process still get two mappings (ARCHITECTURE.md, invariant 1:
+Immutable cache). A mapping the answer does not name is never used; those left over are closed
+after LEFTOVER_SECONDS.
 It is a head start only: once the first load call begins it maps nothing more (a forked
 ``overmind run`` child loads within milliseconds, and two threads faulting the same pages only
 get in each other's way); a mapping it finished is still used. Bounded by what the program

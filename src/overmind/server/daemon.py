@@ -15,7 +15,7 @@ An entry's segments are the fds the loader sent over ``SCM_RIGHTS``; the server
 holds them until eviction and closes them then. Clients open their own fds through
 ``/proc/<server pid>/fd/<n>`` (or receive duplicates), map ``MAP_PRIVATE`` and
 close the fd at once, so eviction frees the pages when the last client unmaps
-(DESIGN invariant 2). Nothing ever writes, punches or reuses a segment.
+(ARCHITECTURE.md, invariant 2: Eviction is safe). Nothing ever writes, punches or reuses a segment.
 """
 
 from __future__ import annotations

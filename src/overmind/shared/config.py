@@ -309,7 +309,8 @@ def default_state_dir(env=None) -> Path:
 
 def ensure_private_dir(path: Path, what: str = "runtime directory", setting: str = "OVERMIND_RUNTIME_DIR",
                        forbidden: int = 0o077) -> Path:
-    """Create ``path`` 0700, or check that an existing one is ours and private (DESIGN invariant 5).
+    """Create ``path`` 0700, or check that an existing one is ours and private (ARCHITECTURE.md,
+    invariant 5: Only the owner gets in).
 
     An existing directory with a ``forbidden`` mode bit (the runtime directory: any access by
     others; the state directory: write access by others) is refused, never chmod-ed: it may

@@ -83,7 +83,8 @@ What this gives up, and how it is held:
   rewrite as a plain ``from_pretrained`` would (it maps the same pages).
 - Only the owner of the bytes gets in: a client opens a file segment through
   ``/proc/<server>/fd/<n>``, which the kernel allows only where the caller may read the file
-  itself, and checks it is that inode (DESIGN invariant 7), as for a memfd.
+  itself, and checks it is that inode (ARCHITECTURE.md, invariant 7: A segment is what it claims
+  to be), as for a memfd.
 - Mappings stay ``MAP_PRIVATE``: a write copies the page, the file is never written.
 - The pages are the page cache's: another workload can evict them, and the next hit reads
   them from disk as plain python would. The server copies a file segment into a sealed
@@ -195,7 +196,8 @@ class Segment:
     """One memfd. Owns ``fd`` until ``close()``; mappings it returns own themselves."""
 
     class Mismatch(ValueError):
-        """The fd is not the segment it was named as (another inode): DESIGN invariant 7."""
+        """The fd is not the segment it was named as (another inode): ARCHITECTURE.md, invariant 7:
+        A segment is what it claims to be."""
 
     def __init__(self, fd: int, size: int, name: str = "overmind", huge: bool = False) -> None:
         if fd < 0:

@@ -11,10 +11,11 @@ overmind.server.registry.
 Note [Found regions are checked]
 The index comes from the server and names regions by inode; a segment is opened through
 ``/proc/<server>/fd/<n>`` and refused unless it is a sealed memfd of that very inode
-(DESIGN invariant 7), and before a region replaces a copy, its bytes are hashed again here,
-from a mapping of the sealed segment itself. A stale index, an evicted entry, a reused fd
-number, a server whose fds cannot be opened this way, or a bug then costs a copy, never a
-wrong weight, and no hash is ever taken over memory a client can write.
+(ARCHITECTURE.md, invariant 7: A segment is what it claims to be), and before a region
+replaces a copy, its bytes are hashed again here, from a mapping of the sealed segment itself. A
+stale index, an evicted entry, a reused fd number, a server whose fds cannot be opened this way,
+or a bug then costs a copy, never a wrong weight, and no hash is ever taken over memory a client
+can write.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class SegmentContents:
         try:
             if handle is None:
                 raise ValueError("not among the holder's segments")
-            # refuses unsealed memory and any other inode: DESIGN invariant 7
+            # refuses unsealed memory and any other inode (ARCHITECTURE.md, invariant 7: A segment is
+            # what it claims to be)
             segment = Segment.open_proc(self._server_pid, handle[0], handle[1], f"{key[:12]}.shared",
                                         identity=(dev, ino))
             chosen = (segment.fd, handle[1], segment.map_private())
