@@ -1,4 +1,4 @@
-"""Hits served from the model files against hits from sealed memfds: the seed's ControlNet
+"""Hits served from the model files against hits from sealed memfds: the ControlNet
 script with ``monkey_patch_all()``, page cache warm, whole process from the shell.
 
     python benchmarks/file_segments.py [--pairs 5]

@@ -8,8 +8,8 @@ already touched, and prints the rate of each 512 MiB; then frees it and at once 
 (memory just freed, not yet reported). On bare metal the rates are flat. On a guest that
 reports free pages (``/sys/module/page_reporting``, virtio-balloon), the first GBs, which reuse
 memory freed moments before, fill several times faster than the rest, which the host must
-fault in again: this is why a fill of the seed's pipeline takes seconds here (Note [Joining a
-fill] in ``overmind.server.daemon``). Reads only; changes no setting.
+fault in again: this is why a fill of the ControlNet workload's pipeline takes seconds here (Note
+[Joining a fill] in ``overmind.server.cold_loads``). Reads only; changes no setting.
 
 ``--beside CMD`` measures what such a fill costs a process running beside it (what a user's next
 run meets while the cache fills behind the last): CMD (a shell command, e.g. ``python

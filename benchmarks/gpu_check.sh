@@ -20,7 +20,7 @@
 #   tests    GPU tests (CUDA only): tests/{integration,unit}/test_gpu.py (marked gpu), the
 #            bitsandbytes tests (not marked: on a GPU they quantise there) and the bench's
 #            --device cuda test; pytest --timeout=300, -n 4 where pytest-xdist is installed
-#   bench    CUDA: the warm-up curve of the seed's ControlNet script (SD1.5 sizes, fp16) with
+#   bench    CUDA: the warm-up curve of the ControlNet script (SD1.5 sizes, fp16) with
 #            .to('cuda'): plain python, monkey_patch_all() and `overmind run`, runs 1-5 and after
 #            a restart, one round (overmind-bench --scenarios warmup_curve --curve-scripts
 #            controlnet --curve-rounds 1 --device cuda). No CUDA: skipped, and the same on CPU

@@ -47,7 +47,7 @@ STEPS = (
     "diffusers.models.unets.unet_2d_condition",
     "diffusers.models.controlnets|diffusers.models.controlnet",
     "diffusers.pipelines",
-    # the seed's `from diffusers import AutoencoderKL, ControlNetModel, StableDiffusionControlNetPipeline`
+    # the ControlNet script: `from diffusers import AutoencoderKL, ControlNetModel, StableDiffusionControlNetPipeline`
     "diffusers:AutoencoderKL", "diffusers:ControlNetModel", "diffusers:StableDiffusionControlNetPipeline",
     "transformers",
     "transformers.models.clip",

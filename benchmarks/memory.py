@@ -5,7 +5,7 @@
 Each holder process loads, touches every weight once (as inference would), reports
 ready and waits. Summed PSS (/proc/PID/smaps_rollup) of the holders (plus the server,
 for overmind), minus K x the PSS of an idle process that imported the same libraries,
-is compared to the model's tensor bytes. Cases: the seed's ControlNet pipeline (fp16
+is compared to the model's tensor bytes. Cases: the ControlNet pipeline (fp16
 safetensors), and an SD1.5 UNet saved in fp32 and loaded with torch_dtype=float16,
 where plain loads cannot share pages through the page cache.
 """

@@ -31,7 +31,7 @@ class BenchServer(harness.BenchServer):
 
 
 def ensure_models() -> dict[str, Path]:
-    """The seed's SD1.5-size models and the 1.1 B LM, generated into .bench-cache once."""
+    """The ControlNet workload's SD1.5-size models and the 1.1 B LM, generated into .bench-cache once."""
     paths = models.ensure_models(CACHE, "base", ["sd", "controlnet_a", "controlnet_b", "lm"])
     return {"sd": paths["sd"], "cn_a": paths["controlnet_a"], "cn_b": paths["controlnet_b"], "lm": paths["lm"]}
 

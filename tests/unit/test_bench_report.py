@@ -24,7 +24,7 @@ def test_quick_is_small_one_run_two_holders_one_process_per_mode():
         "small", 1, 1, 2, "run")
     assert (full.scale, full.runs, full.warm_runs, full.memory_procs, full.process_per) == (
         "base", 3, 3, 4, "scenario")
-    # Every scenario either way; quick holds the seed's workload only.
+    # Every scenario either way; quick holds the controlnet workload only.
     assert [s.name for s in quick.scenarios] == [s.name for s in full.scenarios] == list(SCENARIOS)
     assert [s.name for s in quick.memory_cases] == ["controlnet"]
     assert [s.name for s in full.memory_cases] == ["controlnet", "fp32_as_fp16"]

@@ -12,7 +12,7 @@ cache folder (``--cache-dir``, default ``~/.cache/overmind-bench``). Scenarios:
   ready and to first use of every weight, as ``python script.py``, ``python script.py`` with
   ``monkey_patch_all()`` (cache warm), ``overmind run script.py`` (cache and interpreter warm)
   and the first ``overmind run`` of a new context (:mod:`overmind.bench.whole`);
-- ``controlnet``: the seed's workload: AutoencoderKL, two ControlNetModels and
+- ``controlnet``: a ControlNet workload: AutoencoderKL, two ControlNetModels and
   StableDiffusionControlNetPipeline(vae=vae, controlnet=[edge, depth]), fp16 safetensors;
 - ``lm``: a Llama-style causal LM in bf16 (1.1 B parameters at the default scale);
 - ``fp32_as_fp16``: a UNet saved in fp32 and loaded with ``torch_dtype=torch.float16``;

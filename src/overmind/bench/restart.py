@@ -3,7 +3,7 @@
     python -m overmind.bench.restart --scale base              # SD1.5 sizes and the 1 B LM
     python -m overmind.bench.restart --scale small --stop sigkill --json out.json
 
-With the whole-process scenario's scripts (overmind.bench.whole: the seed's ControlNet
+With the whole-process scenario's scripts (overmind.bench.whole: the ControlNet
 pipeline and the LM), on a private server: plain ``python`` twice (the reference times and
 weights); each script twice patched and twice with ``overmind run`` (the cache and the
 interpreter learn); then for each way of stopping (``overmind shutdown``, SIGKILL):

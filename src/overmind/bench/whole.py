@@ -5,7 +5,7 @@ first use of every weight, plain ``python`` against ``overmind run``.
 
 What a user waits for is the process, not the load call: ``python script.py`` spends most of
 its seconds importing torch, diffusers and transformers before any load starts. This scenario
-writes small scripts into a temporary folder (:data:`SCRIPTS`: the seed's ControlNet pipeline,
+writes small scripts into a temporary folder (:data:`SCRIPTS`: the ControlNet pipeline,
 a Llama-style LM, and ``-c "import torch, diffusers, transformers"``) and times each as a fresh
 process started from this one, in four modes (:data:`MODES`; the first run of a context
 with the page cache warm only):

@@ -19,13 +19,12 @@ maps each ``MAP_PRIVATE`` as a hit would, and fills its page tables with
 POPULATE_CHUNK, as each call holds the address space's lock, and the main thread's own mmaps,
 which import does for every extension module and large allocation, wait for it; so populating
 waits for ``import torch`` to end, the import that maps most: populating during it made torch's
-import 0.3 s slower, measured on the seed's script; opening, mapping and reading back, below, do
-not wait). A mapping counts as prepared once it is mapped: a load that comes first takes it
-unpopulated and faults in what it uses. When the
-load call comes, the server's answer names each segment by (device, inode, size); a prepared
-mapping of that very file is used instead of a new one (the mapping holds the file open, so
-that identity cannot be reused while it exists), and each prepared mapping is used at most
-once, so two loads in one process still get two mappings (ARCHITECTURE.md, invariant 1:
+import slower; opening, mapping and reading back, below, do not wait). A mapping counts as
+prepared once it is mapped: a load that comes first takes it unpopulated and faults in what it
+uses. When the load call comes, the server's answer names each segment by (device, inode, size);
+a prepared mapping of that very file is used instead of a new one (the mapping holds the file
+open, so that identity cannot be reused while it exists), and each prepared mapping is used at
+most once, so two loads in one process still get two mappings (ARCHITECTURE.md, invariant 1:
 Immutable cache). A mapping the answer does not name is never used; those left over are closed
 after LEFTOVER_SECONDS.
 It is a head start only: once the first load call begins it maps nothing more (a forked
@@ -48,24 +47,20 @@ the core the imports leave idle: into one reused buffer named READ_BACK_VECTORS 
 leaves such a file to the client for a while rather than copy it into sealed memory meanwhile,
 which read the same disk at the same time (Note [Settling file segments]). Reading with the CPU
 rather than ``sendfile`` to /dev/null matters on this VM: the first touch of memory the
-hypervisor took back costs about as much as the disk read (measured by hand on the seed's UNet,
-1.7 GB: brought back by sendfile, its first use still took 3.7 s; after a read, 0.1 s), and
-``POSIX_FADV_WILLNEED`` reads only the readahead window. It goes on past the first load call
-(the loads' first use needs the pages too), within the same budget. Measured with the seed's
-ControlNet script, the model's files evicted before every run back to back, by hand, fresh
-servers, runs interleaved with plain (median 9.29 s), 4 trials: run 2 took 0.67, 0.63, 0.64 and
-0.75 x plain (median 0.68) with the read at once, vectored and left to the client; 0.69-0.72 x
-when the read waited for torch's import, one buffer per read, beside the server's own copy.
+hypervisor took back costs about as much as the disk read, and ``POSIX_FADV_WILLNEED`` reads
+only the readahead window. It goes on past the first load call (the loads' first use needs the
+pages too), within the same budget. ``overmind-bench --scenarios warmup_curve --drop-page-cache``
+measures it: run 2 with the model's files evicted before every run.
 
 Note [Teaching the interpreter while importing]
 In a program's first run with this server (no history for it), the same thread tells the server,
 every REPORT_INTERVAL while the script imports and once more as its first load begins, which
 modules it has imported since it last said (``Prepare.modules``; the names only: see
-``new_module_names``). A program with history taught them when it first ran, and reporting costs
-a warm run's imports about 0.1 s on 2 cores (measured on the seed's script). The context's warm
-interpreter imports them too, on the core this script leaves idle, so the cache fills that the
-first load starts fork from an interpreter that already holds diffusers or transformers, and the
-next ``overmind run`` of the script finds everything imported (Note [Warm interpreters learn] in
+``new_module_names``). A program with history taught them when it first ran, and reporting
+would slow a warm run's imports. The context's warm interpreter imports them too, on the core
+this script leaves idle, so the cache fills that the first load starts fork from an interpreter
+that already holds diffusers or transformers, and the next ``overmind run`` of the script finds
+everything imported (Note [Warm interpreters learn] in
 overmind.warm.interpreter).
 """
 
@@ -274,8 +269,8 @@ def new_module_names(seen: set) -> list:
     """Names in sys.modules not in ``seen`` (which this adds them to), in import order. No
     filtering here: telling installed modules from the user's takes a few syscalls per module,
     and each syscall of this thread hands the GIL back and forth with the main thread while it
-    imports (measured: 0.3 s on the seed's script); the warm interpreter imports only installed
-    modules anyway (``_installed`` in overmind.warm.interpreter)."""
+    imports; the warm interpreter imports only installed modules anyway (``_installed`` in
+    overmind.warm.interpreter)."""
     new = [name for name in list(sys.modules) if name not in seen and name not in ("__main__", "__mp_main__")]
     seen.update(new)
     return new

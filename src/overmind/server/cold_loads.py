@@ -72,8 +72,8 @@ MAX_PLAIN_SECONDS = 1024  # keys whose plain load time we remember
 #
 # A fill that writes its result into memory the kernel must hand out fresh is slow where
 # fresh memory is (benchmarks/fresh_memory.py: a guest that reports free memory back to its
-# host fills it at 0.4 GB/s instead of 2.4 GB/s past the last 1.5-3.5 GB freed): the seed's
-# 1.97 GB pipeline took 3-5 s, longer than its 0.5 s plain load, and runs that came sooner
+# host fills it at 0.4 GB/s instead of 2.4 GB/s past the last 1.5-3.5 GB freed): the ControlNet
+# workload's pipeline took longer to fill than to load plainly, and runs that came sooner
 # loaded it plainly. Weights that are a model file's own pages are therefore not written at
 # all: the file is their segment (Note [File-backed segments] in overmind.shared.memfd), and
 # they are copied into sealed memory only when the server is idle (Note [Settling file

@@ -49,9 +49,9 @@ session the group competes as any other: beside two spinners pinned to the two C
 SCHED_IDLE process of another session got 1.37 CPU-seconds in 2 s, one of the spinners' own
 session 0.05. Tried: each loader a session of its own whose autogroup is at nice 19 while it
 yields (0.12 CPU-seconds in 2 s). The fills then starved behind the interpreter's learning,
-and runs 2 to 5 of ``overmind run`` of the seed's script found the pipeline still filling
-(0.18-0.20 x plain instead of 0.08-0.13 x), so that was taken back; OVERMIND_FILL_YIELD is
-the bound either way (tests/integration/test_cold_priority.py keeps every CPU busy).
+and runs 2 to 5 of ``overmind run`` of the ControlNet script found the pipeline still filling
+and were slower for it, so that was taken back; OVERMIND_FILL_YIELD is the bound either way
+(tests/integration/test_cold_priority.py keeps every CPU busy).
 """
 
 from __future__ import annotations

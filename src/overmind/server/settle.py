@@ -8,9 +8,9 @@ Note [Settling file segments]
 An entry whose weights were a model file's own pages is served from that file (Note
 [File-backed segments] in overmind.shared.memfd): ready the moment its loader has loaded, and
 costing no fresh memory while the user's next runs start. While the page cache holds the file,
-a hit from it costs what a hit from a sealed memfd does (``benchmarks/file_segments.py``, the
-seed's ControlNet script with ``monkey_patch_all()``, 5 interleaved triples, twice: 5.51 and
-5.95 s from the files, 5.71 and 5.75 s from memfds, 6.80 and 6.97 s plain).
+a hit from it costs what a hit from a sealed memfd does (``benchmarks/file_segments.py``, its
+ControlNet script with ``monkey_patch_all()``, 5 interleaved triples, twice, 2026-11-26: 5.51
+and 5.95 s from the files, 5.71 and 5.75 s from memfds, 6.80 and 6.97 s plain).
 
 But those pages are the page cache's: a workload that needs the memory evicts them, and a hit
 then reads them from disk as plain python would, where a sealed memfd would have kept them. So
@@ -23,10 +23,9 @@ a time):
   whenever a request comes, until the next such quiet (``0``: at once, which the tests use to
   see hits in memfds). It was 5 s, which a run's imports (its ``Prefetch`` to its first
   ``Load``) and the gap to the next run's start both came close to on this machine: the copy
-  crept into runs 3-10 of a back-to-back loop of the seed's ControlNet script with
-  ``monkey_patch_all()``, and those runs took 7.3-8.4 s, against 6.4-6.9 s for the runs it
-  left alone and 7.8 s plain (by hand, ``overmind status`` after each run); at 30 s, runs 2-8
-  took 6.0-6.6 s;
+  crept into the later runs of a back-to-back loop of the ControlNet script with
+  ``monkey_patch_all()`` and slowed them (seen by hand, ``overmind status`` after each run);
+  at 30 s it leaves such a loop alone;
 - at once, without pausing, one of which the page cache holds less than RESIDENT (90 %,
   ``cachestat``, looked at every 0.5 s): its pages are going, and the next hit would read them
   from disk; but not one just handed to a prefetching client that still imports
@@ -45,13 +44,13 @@ answered before the swap find the old handle gone and ask again; mappings made b
 the file's pages.
 
 Why not copy at once, as fills did: on this machine fresh memory fills at 0.4 GB/s per core
-(``benchmarks/fresh_memory.py``), so the seed's 3.58 GB take 9 core-seconds, and that copy
-beside the user's next run slowed it from 0.82 to 1.02 x plain (``overmind-bench --scenarios
-warmup_curve``, run 2, ``OVERMIND_SETTLE_AFTER=0``). The price: with the page cache emptied
-between runs back to back, run 2 finds the files gone before any copy could start and reads
-them back while it imports: by hand, the seed's ControlNet script, fresh servers, 4 trials
-interleaved with plain, runs 1-3 at 1.05, 0.68 and 0.59 x plain (medians) leaving lost files to
-the client, 1.02, 0.79 and 0.60 copying them beside it, 1.07, 0.69 and 0.64 never copying.
+(``benchmarks/fresh_memory.py``), so the ControlNet workload's 3.58 GB take 9 core-seconds, and
+that copy beside the user's next run slowed it from 0.82 to 1.02 x plain (``overmind-bench
+--scenarios warmup_curve``, run 2, ``OVERMIND_SETTLE_AFTER=0``). The price: with the page cache
+emptied between runs back to back, run 2 finds the files gone before any copy could start and
+reads them back while it imports (``overmind-bench --scenarios warmup_curve --drop-page-cache``
+measures that run 2); tried by hand, leaving the lost files to that client did better than
+copying them beside it, or never copying them.
 """
 
 from __future__ import annotations

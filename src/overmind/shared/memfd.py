@@ -67,8 +67,8 @@ and warm loads get huge pages once it is done.
 
 Note [File-backed segments]
 A model loaded from safetensors leaves its weights in the file's own mapping: the storages
-of a plain ``from_pretrained`` are views of the file's pages in the page cache (the seed's
-ControlNet pipeline: all but 616 of its 3.58 GB). A loader therefore hands the server the
+of a plain ``from_pretrained`` are views of the file's pages in the page cache (overmind-bench's
+``controlnet`` workload: nearly all of its 3.58 GB). A loader therefore hands the server the
 model *file* as the segment of such storages (``overmind.warm.file_backed``), at the
 storage's offset in the file, instead of copying its bytes into a new memfd. The entry
 costs no fresh memory and is ready as soon as the loader has loaded: on this machine,
@@ -137,8 +137,7 @@ READ_BACK_CHUNK = 32 << 20  # bytes of the buffer each read of a lost file copie
 # One read fills the buffer this many times (the iovecs all name it): 2016 MiB, under Linux's
 # 2 GiB cap on one read, so the thread gives up and takes back the GIL once per 2 GiB, not per
 # 32 MiB; each take waits out the importing main thread's switch interval (5 ms) while the disk
-# idles. Measured by hand (the seed's UNet, 1.6 GB, dropped, a busy main thread, 5 each): 0.80 s
-# median this way, 2.16 s a buffer per read.
+# idles.
 READ_BACK_VECTORS = 63
 
 

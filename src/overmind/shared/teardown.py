@@ -4,10 +4,9 @@
     teardown.flush_left_open(skip_ids)  # overmind.warm.child: Note [Output is never lost at exit]
 
 Note [The drop-in leaves quickly]
-A python that imported torch, diffusers and transformers spends a second leaving: measured
-here (2 cores, the seed's ControlNet script, page cache warm) 1.1-1.4 s from the script's last
-line to its exit, almost all of it in the interpreter's own teardown, where the cycle
-collector walks and frees the millions of objects those libraries made (a module's functions
+A python that imported torch, diffusers and transformers spends a second or more between the
+script's last line and its exit, almost all of it in the interpreter's own teardown, where the
+cycle collector walks and frees the millions of objects those libraries made (a module's functions
 and its globals are a cycle, so every module dies by the collector). The user waits for it on
 every run, plain or cached; it was as much as the cache saved on the loads. So
 ``monkey_patch_all()`` registers an atexit callback (then: so it runs after every callback
@@ -27,9 +26,8 @@ The exit status, the atexit callbacks and the output are plain python's. What is
 finalizers of objects that only become cyclic garbage during the teardown itself do not run
 (CPython does not promise them either: "It is not guaranteed that __del__() methods are
 called for objects that still exist when the interpreter exits"); their files were flushed
-above. Measured the same way, cache warm: 0.65-0.7 s instead of 1.4-1.6 s (0.25 s of it the
-collection, 0.16 s the sweep for open files, 0.25 s what is left of the teardown).
-``OVERMIND_QUICK_EXIT=0`` turns it off. Runs of ``overmind run`` leave through
+above. What is left to pay is the collection, the sweep for open files and the rest of the
+teardown. ``OVERMIND_QUICK_EXIT=0`` turns it off. Runs of ``overmind run`` leave through
 ``overmind.warm.child._finalize`` instead, which skips the teardown altogether.
 
 Note [Output is never lost at exit]
