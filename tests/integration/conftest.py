@@ -15,6 +15,11 @@ import pytest
 from ..conftest import REPO, age_files, child_env, run_python
 
 
+# A server that leaves its file segments to the page cache, so that a test can lose one as
+# memory pressure would (Note [File segments stay mapped] in overmind.server.settle).
+LEFT_TO_PAGE_CACHE = {"OVERMIND_KEEP_FILE_PAGES": "0"}
+
+
 def lose_from_page_cache(path: Path) -> None:
     """Evict ``path`` from the page cache, as another workload's memory needs do, and check it
     is lost (``cachestat``); skip where the kernel cannot tell (Linux < 6.5)."""

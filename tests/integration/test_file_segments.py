@@ -9,10 +9,11 @@ import hashlib
 import os
 import time
 
+import pytest
 import torch
 from safetensors.torch import save
 
-from .conftest import ServerProcess, last_json, lose_from_page_cache
+from .conftest import LEFT_TO_PAGE_CACHE, ServerProcess, last_json, lose_from_page_cache
 
 LOAD_AND_LOOK = """
 import json, overmind.api
@@ -38,10 +39,10 @@ def _status_until(server: ServerProcess, done, timeout: float = 60.0) -> dict:
 
 
 @contextlib.contextmanager
-def _filled(runtime_dir, models, settle_after: str):
-    """A server with ``OVERMIND_SETTLE_AFTER=settle_after`` whose cache holds the LM (the
-    filling run waited for it: its answer is the first hit's), the code that loads it, that answer."""
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": settle_after})
+def _filled(runtime_dir, models, settle_after: str, env: dict | None = None):
+    """A server with ``OVERMIND_SETTLE_AFTER=settle_after`` (and ``env``) whose cache holds the LM
+    (the filling run waited for it: its answer is the first hit's), the code that loads it, that answer."""
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": settle_after, **(env or {})})
     try:
         code = LOAD_AND_LOOK.format(path=str(models["lm"]))
         yield server, code, last_json(server.run(code, env=server.client_env(OVERMIND_STRICT="1")))
@@ -68,8 +69,33 @@ def test_an_idle_server_settles_file_segments_into_sealed_memory(runtime_dir, mo
         assert after == {"equal": True, "maps_file": False, "hit": True}
 
 
-def test_a_file_segment_the_page_cache_lost_is_settled_at_once(runtime_dir, models):
+def test_a_file_segments_pages_stay_when_the_page_cache_is_dropped(runtime_dir, models):
+    """Note [File segments stay mapped]: the server keeps them mapped, so a drop (here of the one
+    file, as /proc/sys/vm/drop_caches does of all) leaves them, and nothing needs copying."""
+    from overmind.shared.memfd import cached_share
+
+    path = models["lm"] / "model.safetensors"
     with _filled(runtime_dir, models, "600") as (server, code, _):
+        assert server.wait_idle()["file_segments"]["settled"] == 0
+        deadline = time.monotonic() + 30
+        while str(path) not in open(f"/proc/{server.proc.pid}/maps").read() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            share = cached_share(fd, path.stat().st_size)
+        finally:
+            os.close(fd)
+        if share is None:
+            pytest.skip("this kernel has no cachestat (Linux 6.5)")
+        assert share == 1.0
+        time.sleep(1.5)  # three of the settler's looks
+        assert server.status()["file_segments"]["settled"] == 0, server.log()[-3000:]
+        assert last_json(server.run(code)) == {"equal": True, "maps_file": True, "hit": True}
+
+
+def test_a_file_segment_the_page_cache_lost_is_settled_at_once(runtime_dir, models):
+    with _filled(runtime_dir, models, "600", LEFT_TO_PAGE_CACHE) as (server, code, _):
         assert server.wait_idle()["file_segments"]["settled"] == 0
         lose_from_page_cache(models["lm"] / "model.safetensors")
         status = _status_until(server, lambda s: s["file_segments"]["settled"] >= 1)

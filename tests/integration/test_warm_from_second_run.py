@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from ..conftest import age_files
 from overmind.shared.memfd import RESIDENT, cached_share
 
-from .conftest import ServerProcess, last_json, lose_from_page_cache
+from .conftest import LEFT_TO_PAGE_CACHE, ServerProcess, last_json, lose_from_page_cache
 
 OVERMIND = str(Path(sys.executable).parent / "overmind")
 
@@ -72,7 +72,7 @@ def test_the_next_run_of_a_program_maps_what_it_loaded_before_its_load(server, p
 
 def test_the_next_run_of_a_program_reads_back_a_model_file_the_page_cache_lost(runtime_dir, program):
     script, weights = program
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": ""})  # the file stays the segment
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "", **LEFT_TO_PAGE_CACHE})  # the file stays the segment
     try:
         first = _run(server, script, weights)
         assert server.wait_idle()["file_segments"]["bytes"] == weights.stat().st_size
@@ -122,7 +122,7 @@ def two_files(tmp_path):
 
 def test_lost_files_are_read_back_while_the_script_has_not_imported_torch(runtime_dir, two_files):
     script, paths = two_files
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": ""})  # the files stay the segments
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "", **LEFT_TO_PAGE_CACHE})  # the files stay the segments
     try:
         first = _run(server, script, *paths)
         assert server.wait_idle()["file_segments"]["bytes"] == sum(p.stat().st_size for p in paths)
@@ -138,7 +138,7 @@ def test_lost_files_are_read_back_while_the_script_has_not_imported_torch(runtim
 
 def test_a_lost_file_a_program_was_handed_to_read_back_is_not_copied_beside_it(runtime_dir, two_files):
     script, paths = two_files
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600"})  # copies only what the page cache lost
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600", **LEFT_TO_PAGE_CACHE})  # copies only what the page cache lost
     try:
         _run(server, script, *paths)
         server.wait_idle()
@@ -153,7 +153,7 @@ def test_a_lost_file_a_program_was_handed_to_read_back_is_not_copied_beside_it(r
 
 def test_a_lost_file_a_forked_run_was_handed_last_is_copied_at_once(runtime_dir, two_files):
     script, paths = two_files
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600"})
+    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600", **LEFT_TO_PAGE_CACHE})
     try:
         _run(server, script, *paths)
         server.wait_idle()

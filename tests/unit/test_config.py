@@ -84,6 +84,7 @@ def test_idle_settling_waits_30_s_by_default_empty_turns_it_off_and_zero_means_a
     assert Config.from_env({"OVERMIND_SETTLE_AFTER": " "}).settle_after is None
     assert Config.from_env({"OVERMIND_SETTLE_AFTER": "0"}).settle_after == 0.0
     assert Config.from_env({"OVERMIND_SETTLE_AFTER": "7.5"}).settle_after == 7.5
+    assert Config.from_env({}).keep_file_pages and not Config.from_env({"OVERMIND_KEEP_FILE_PAGES": "0"}).keep_file_pages
 
 
 def test_every_bad_value_is_named_at_once_and_good_values_are_read_in_any_case():

@@ -128,7 +128,9 @@ def run_scenario(pairs: int = 5, hang_runs: int = 0, say=print) -> dict:
             script = str(paths[name])
             plain_env, run_env = base, {**base, "OVERMIND": "1"}
             _, expected = _timed([sys.executable, script], plain_env, folder)
-            server = BenchServer.start(run_env)  # a private server, fresh for each script
+            # A private server, fresh for each script, started by run 1 from the shell that exported
+            # TORCHINDUCTOR_CACHE_DIR, as a user's first run starts it (issue 37).
+            server = BenchServer.autostart(run_env)
             try:
                 env = server.env
                 curve = []

@@ -138,7 +138,8 @@ class WarmupCurve:
                 entry["plain"].append(done["run"])
                 self.echo(f"warm-up curve {name}: python {done['run']['wall']:.2f} s")
             expected = entry["plain"][0]["sum"]
-            server = BenchServer.start()  # fresh: an empty cache, no warm interpreter
+            # Fresh: an empty cache, no warm interpreter; started by run 1, as a user's first run starts it.
+            server = BenchServer.autostart()
             try:
                 for run in RUNS:
                     if run == "restart":

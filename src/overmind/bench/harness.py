@@ -162,6 +162,16 @@ class BenchServer:
         server.launch()
         return server
 
+    @classmethod
+    def autostart(cls, extra_env: Optional[dict] = None) -> "BenchServer":
+        """One that the first client run starts, as a user's first run does (Note [A run's
+        interpreter imports under the run's environment] in overmind.server.pool): nothing runs
+        until then, and :meth:`status` says ``{}``."""
+        server = cls(Path(tempfile.mkdtemp(prefix="om-bench-", dir="/tmp")))
+        del server.env["OVERMIND_NO_AUTOSTART"]
+        server.env.update(extra_env or {})
+        return server
+
     def launch(self) -> None:
         proc = subprocess.run([sys.executable, "-m", "overmind.server", "--daemon"], env=self.env,
                               capture_output=True, text=True, timeout=120)
@@ -189,6 +199,11 @@ class BenchServer:
         return out.getvalue()
 
     def status(self) -> dict:
+        if not self.pid:  # autostart(): started by a run, or not yet
+            try:
+                self.pid = int((self.runtime_dir / "server.pid").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                return {}
         return json.loads(self.cli("status", "--json"))
 
     def evict_all(self) -> None:

@@ -103,7 +103,8 @@ class Server:
         self.state = StateKeeper(config, self.registry, self.pool, self.history, self.loads.plain_seconds_of)
         self.loads.on_cached = self.state.record
         self.restore = Restore(config, self.registry, self.loads, self.state, self.stopping)
-        self.settler = Settler(self.registry, config.settle_after, self.stopping)  # Note [Settling file segments]
+        # Note [Settling file segments] in overmind.server.settle
+        self.settler = Settler(self.registry, config.settle_after, self.stopping, config.keep_file_pages)
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 

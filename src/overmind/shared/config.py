@@ -31,6 +31,9 @@ Standard library only (the server imports it)::
                            files it serves from into sealed memory (default 30; it copies one
                            at once when the page cache loses it; empty: never, not even then).
                            Note [Settling file segments] in overmind.server.settle.
+``OVERMIND_KEEP_FILE_PAGES`` ``0``: the server does not keep those files' pages mapped until then
+                           (default ``1``), and the page cache may drop them as any file's:
+                           Note [File segments stay mapped] in overmind.server.settle.
 ``OVERMIND_NO_AUTOSTART``  ``1``: clients never start a server themselves.
 ``OVERMIND_PRESTART``      ``0``: ``monkey_patch_all()`` does not ask the server, in the
                            background, to get a loader ready for this process.
@@ -408,10 +411,11 @@ class Config:
 
     __slots__ = ("runtime_dir", "disable", "strict", "timeout", "reply_timeout", "loader_timeout", "workers",
                  "autostart", "cold_wait", "log_level", "max_memory", "warm_max", "warm_idle", "warm_memory",
-                 "fill_yield", "settle_after", "state_dir", "restore_bytes", "restore_share")
+                 "fill_yield", "settle_after", "keep_file_pages", "state_dir", "restore_bytes", "restore_share")
     _DEFAULTS = {"disable": False, "strict": False, "timeout": 300.0, "reply_timeout": 2.0, "loader_timeout": 3600.0,
                  "workers": 2, "autostart": True, "cold_wait": False, "log_level": "INFO", "max_memory": None,
                  "warm_max": 4, "warm_idle": 1800.0, "warm_memory": 8 << 30, "fill_yield": 120.0, "settle_after": 30.0,
+                 "keep_file_pages": True,
                  "state_dir": None, "restore_bytes": None, "restore_share": 1.0}
 
     runtime_dir: Path
@@ -430,6 +434,7 @@ class Config:
     warm_memory: int  # bytes of PSS all of them together may hold
     fill_yield: float  # seconds a cache fill nobody waits for waits for its caller, then yields the CPU
     settle_after: Optional[float]  # seconds without a request before file segments are copied; None: never
+    keep_file_pages: bool  # file segments' pages stay mapped in the server until copied
     state_dir: Optional[Path]  # None: no state kept (overmind.server.state)
     restore_bytes: Optional[int]  # OVERMIND_RESTORE as bytes; None: restore_share of the budget
     restore_share: float  # OVERMIND_RESTORE as a share of the memory budget (0: no restore)
@@ -498,6 +503,7 @@ class Config:
             disable=_flag(env, "OVERMIND_DISABLE", notes=notes),
             strict=strict,
             autostart=not _flag(env, "OVERMIND_NO_AUTOSTART", notes=notes),
+            keep_file_pages=_flag(env, "OVERMIND_KEEP_FILE_PAGES", default["keep_file_pages"], notes=notes),
             cold_wait=values.pop("cold") == "wait" or strict,
             **{**values, "warm_memory": values["warm_memory"] or default["warm_memory"]},
         )

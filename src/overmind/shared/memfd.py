@@ -180,6 +180,25 @@ def huge_pages_possible() -> bool:
     return read_setting() in ALLOWING
 
 
+def hold_pages(fd: int, size: int) -> Optional[mmap.mmap]:
+    """A read-only shared mapping of the file ``fd``'s ``size`` bytes with its page tables filled
+    (``MADV_POPULATE_READ``, Linux 5.14), so that its page cache pages count as mapped (Note [File
+    segments stay mapped] in overmind.server.settle); None where the kernel refused. Only madvise
+    touches it: reading the bytes of a file truncated meanwhile would raise SIGBUS."""
+    if size <= 0:
+        return None
+    try:
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
+    try:
+        mapping.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))
+    except (OSError, ValueError):
+        mapping.close()
+        return None
+    return mapping
+
+
 def _advise_huge(mapping: mmap.mmap) -> None:
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
