@@ -215,9 +215,10 @@ def _prepare() -> None:
 
         config = Config.from_env()
         conn = Connection.open(config)
-        if not in_warm_run():  # a forked run's interpreter serves its context already (Note [A run's
-            # interpreter imports under the run's environment] in overmind.server.pool)
-            conn.simple(P.Prepare(caller_context()), P.Ok, timeout=config.reply_timeout)
+        if not in_warm_run():  # a forked run's interpreter serves its context already
+            # Note [A run's interpreter imports under the run's environment] in overmind.server.pool:
+            # an interpreter this starts imports under this process's environment, as the run's would.
+            conn.simple(P.Prepare(caller_context(), env=dict(os.environ)), P.Ok, timeout=config.reply_timeout)
         from overmind.client import prefetch  # Note [Prefetch] in overmind.client.prefetch
 
         server_pid, entries = prefetch.plan(conn)

@@ -168,15 +168,19 @@ class _Autostarted:
             return ""
 
 
-def test_a_setting_of_the_users_shell_reaches_the_interpreter_of_a_server_its_first_run_autostarted(tmp_path, envlib):
+@pytest.mark.parametrize("patched", [False, True], ids=["plain script", "monkey_patch_all at its top"])
+def test_a_setting_of_the_users_shell_reaches_the_interpreter_of_a_server_its_first_run_autostarted(tmp_path, envlib,
+                                                                                                    patched):
     """Note [A run's interpreter imports under the run's environment] in overmind.server.pool, when
     no server runs yet: run 1 starts one and goes plain, and its report (the first run's Prepare)
-    carries the run's environment, so run 2 is forked and sees the shell's value."""
+    carries the run's environment, so run 2 is forked and sees the shell's value. So does the
+    Prepare of ``monkey_patch_all()``, which may reach the server first."""
     from ..conftest import child_env
 
     script = tmp_path / "flavour.py"
     # torch first, as the scripts of users do: the run outlasts the start of the server it started.
-    script.write_text(f"import sys\nheld = {envlib!r} in sys.modules\nimport torch\nimport {envlib} as lib\n"
+    script.write_text(("import overmind.api\novermind.api.monkey_patch_all()\n" if patched else "") +
+                      f"import sys\nheld = {envlib!r} in sys.modules\nimport torch\nimport {envlib} as lib\n"
                       "print(held, lib.FLAVOUR, lib.EXTRAS)\n")
     runtime = Path(tempfile.mkdtemp(prefix="om-env-auto-", dir="/tmp"))
     env = child_env(OVERMIND_RUNTIME_DIR=str(runtime), **{f"{_prefix()}_FLAVOUR": "spicy"})
