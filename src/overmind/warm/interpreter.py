@@ -454,7 +454,7 @@ class WarmInterpreter:
 
 def _index_bound_names() -> None:
     """The pass over every module that a run's ``monkey_patch_all()`` would make, made here
-    once, before forking: Note [Names bound before patching] in overmind.shared.patching."""
+    once, before forking: Note [Names bound before patching] in overmind.shared.bound_names."""
     from overmind.shared import patching
     from overmind.api import DEFAULT_PATCH_POINTS
 
