@@ -245,8 +245,10 @@ def _after_torch_import(timeout: float = 60.0) -> None:
 
 
 def background(config: "Config", server_pid: int, entries: list) -> None:
-    """The rest of monkey_patch_all()'s background thread, once its connection is handed on."""
-    from overmind.client.connection import Connection
+    """The rest of monkey_patch_all()'s background thread, once its connection is handed on.
+    Reporting imports needs a plain connection (overmind.shared.connect), not the loading one of
+    overmind.client.connection, which takes from this module."""
+    from overmind.shared.connect import Connection
     from overmind.shared.contexts import in_warm_run
 
     try:

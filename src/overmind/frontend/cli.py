@@ -14,7 +14,9 @@
                                     $XDG_RUNTIME_DIR/overmind, /tmp/overmind-<uid>)
 
 ``overmind-list`` and ``overmind-shutdown`` are ``overmind list`` and ``overmind shutdown``;
-``python -m overmind`` (and ``python -m overmind.frontend.cli``) works too. Only ``run`` starts a server.
+``python -m overmind`` works too. ``run`` is overmind.frontend.run's (``overmind``'s console
+script), which hands every other command to this module; ``python -m overmind.frontend.cli``
+takes those others. Only ``run`` starts a server.
 
 Exit status: 0 done; 1 the server refused or nothing matched; 2 bad usage or settings;
 3 no server is running (``shutdown`` exits 0 then: there is nothing to stop). ``status``
@@ -39,8 +41,7 @@ from overmind.shared import hugepages
 from overmind.shared import protocol as P
 from overmind.shared.connect import Connection, ServerUnavailable, server_holding
 from overmind.shared.config import Config, ConfigError, read_runtime_file
-from overmind.frontend.run import leave_for_closed_stdout, run_arguments, stdout_closed
-from overmind.frontend.run import main as run_main
+from overmind.frontend.closed_stdout import leave_for_closed_stdout, stdout_closed
 
 __all__ = ["main", "list_main", "shutdown_main", "human_bytes", "human_duration"]
 
@@ -455,15 +456,16 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("key", nargs="?", metavar="KEY", help="a key or a unique prefix of one")
     which.add_argument("--all", action="store_true", help="every entry")
     sub.add_parser("shutdown", parents=[common], help="stop the server and wait until it has stopped")
-    # Listed for `overmind --help` only: overmind.frontend.run.command takes `run` before this parser is
-    # built (Note [A light front end] in overmind.frontend.run); its own help is `overmind run -h`.
+    # Listed for `overmind --help` only: overmind.frontend.run.command takes `run` before this module is
+    # imported (Note [A light front end] in overmind.frontend.run); its own help is `overmind run -h`.
     sub.add_parser("run", add_help=False, help="run a script like python, forked from a warm interpreter "
                    "(`overmind run -h`)").add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The ``overmind`` command; its exit status. Note [A closed stdout is not an error] in overmind.frontend.run."""
+    """The ``overmind`` command but ``run``; its exit status. Note [A closed stdout is not an error] in
+    overmind.frontend.closed_stdout."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         try:
@@ -478,14 +480,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    run_args = run_arguments(argv)
-    if run_args is not None:  # `python -m overmind.frontend.cli run ...`; the console script never gets here
-        return run_main(run_args)
     args = build_parser().parse_args(argv)
-    if args.command == "run":  # not reached: run_arguments takes every form argparse would take
-        if args.runtime_dir:
-            os.environ["OVERMIND_RUNTIME_DIR"] = os.path.abspath(args.runtime_dir)
-        return run_main(args.args)
+    if args.command == "run":  # `python -m overmind.frontend.cli run`: overmind.frontend.run.command takes
+        # every form argparse would take before it hands a command here
+        print("overmind: `run` is the overmind command's own: `overmind run ...` or `python -m overmind run ...`",
+              file=sys.stderr)
+        return EXIT_USAGE
     # Note [A bad setting never stops a script] in overmind.shared.config: said on the user's stderr.
     settings.report = lambda message: print(f"overmind: {message}", file=sys.stderr)
     env = dict(os.environ)

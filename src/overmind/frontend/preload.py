@@ -79,7 +79,7 @@ def preload_command(path: str, python: Optional[str], env: dict) -> int:
     child_env = {**env, "OVERMIND_COLD": "wait"}
     if path.endswith(".py"):
         started = time.monotonic()
-        argv = [sys.executable, "-m", "overmind.frontend.cli", "run", "--python", python, path]
+        argv = [sys.executable, "-m", "overmind.frontend.run", "--python", python, path]
         proc = subprocess.run(argv, env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE)
         if proc.returncode != 0:
