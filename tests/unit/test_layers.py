@@ -6,8 +6,10 @@ public face its runs will use.
 
 Note [The loader is handed its references] in overmind.server.cold_loads: a loader gets the entries
 its call refers to from the server, so neither it nor the server imports the user API or the
-client's connection code. The runtime checks run in a fresh interpreter; the static one reads
-every import of every module, those inside functions too.
+client's connection code. The runtime checks run in a fresh interpreter; the static ones read
+every import of every module, those inside functions too. No module of overmind reaches itself
+through imports either: a cycle hidden in a function is still a cycle, and a module in one can
+never be read, tested or moved alone.
 """
 
 from __future__ import annotations
@@ -36,38 +38,132 @@ def _side(module: str) -> str:
     return "client" if module == "overmind.api" else "top"
 
 
-def _imports(path: Path) -> list[tuple[str, int]]:
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules(package: Path) -> set[str]:
+    return {_module_name(path, package) for path in package.rglob("*.py")}
+
+
+def _imports(path: Path, package: Path = PACKAGE, modules: frozenset[str] | set[str] = frozenset()) -> list[tuple[str, int]]:
+    """Every import of overmind in ``path``, at any depth (in functions, under ``if``), as
+    (module, line): ``from overmind.shared import patching`` is ``overmind.shared.patching`` (a
+    name in ``modules``, default: those of ``package``), a name that is no module (``from
+    overmind import __version__``) is its package, and a relative import is made absolute."""
+    modules = modules or _modules(package)
+    here = _module_name(path, package).split(".")
+    parent = here if path.name == "__init__.py" else here[:-1]
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "overmind":  # from overmind import api, __version__
-                found += [(f"overmind.{alias.name}", node.lineno) for alias in node.names]
-            else:
-                found.append((node.module, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from . import x; from ..shared import y
+                base = ".".join([*parent[:len(parent) - node.level + 1], *filter(None, [node.module])])
+            for alias in node.names:
+                found.append((f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base, node.lineno))
     return [(name, line) for name, line in found if name == "overmind" or name.startswith("overmind.")]
-
-
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def test_no_side_imports_another_and_shared_imports_no_side():
     wrong = []
+    modules = _modules(PACKAGE)
     for path in sorted(PACKAGE.rglob("*.py")):
         me = _side(_module_name(path))
         if me == "top":
             continue
-        for name, line in _imports(path):
+        for name, line in _imports(path, PACKAGE, modules):
             other = _side(name)
-            if other in (me, "shared") or name in ("overmind", "overmind.__version__", "overmind._C"):
+            if other in (me, "shared") or name in ("overmind", "overmind._C"):
                 continue
             if name in ALLOWED_FACES.get(me, ()):
                 continue
             wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({me}) imports {name} ({other})")
     assert not wrong, "imports across sides:\n" + "\n".join(wrong)
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The import cycles of ``graph`` (module -> {module it imports: line}), one per strongly
+    connected group of modules: the shortest loop through its first module, sorted by name."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph.get(module, ()):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1 or module in graph.get(module, ()):
+                groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    loops = []
+    for group in sorted(groups):
+        start, paths = group[0], {group[0]: [group[0]]}
+        todo = [start]
+        while todo:  # breadth first inside the group, back to its start
+            module = todo.pop(0)
+            for other in sorted(graph[module]):
+                if other == start:
+                    loops.append(paths[module] + [start])
+                    todo = []
+                    break
+                if other in group and other not in paths:
+                    paths[other] = paths[module] + [other]
+                    todo.append(other)
+    return loops
+
+
+def _import_graph(package: Path) -> dict[str, dict[str, int]]:
+    """module -> {each module of ``package`` it imports, anywhere in it: the line of the first}.
+    Only what the code names: importing ``overmind.shared.protocol.base`` runs the package's
+    ``__init__`` first, which is no arrow (a package that hands on its modules' names would
+    otherwise be in a cycle with each); ``import overmind.bench`` in its own module is one."""
+    modules = _modules(package)
+    graph: dict[str, dict[str, int]] = {}
+    for path in sorted(package.rglob("*.py")):
+        edges = graph.setdefault(_module_name(path, package), {})
+        for name, line in _imports(path, package, modules):
+            if name in modules:
+                edges.setdefault(name, line)
+    return graph
+
+
+def test_no_module_imports_itself_through_others_even_inside_a_function():
+    graph = _import_graph(PACKAGE)
+    loops = [" -> ".join(f"{a}, line {graph[a][b]}," for a, b in zip(loop, loop[1:])) + f" -> {loop[-1]}"
+             for loop in _cycles(graph)]
+    assert not loops, "import cycles (each module, then the line of its import of the next):\n" + "\n".join(loops)
+
+
+def test_the_cycle_check_sees_a_cycle_through_imports_in_functions(tmp_path):
+    """The check above would pass on a reader that missed imports: it must see one in a function,
+    a relative one, and a module taken from its package by name."""
+    package = tmp_path / "overmind"
+    (package / "side").mkdir(parents=True)
+    for name, text in {"__init__.py": "", "side/__init__.py": "",
+                       "side/a.py": "def f():\n    from overmind.side import b\n",
+                       "side/b.py": "from . import c\n",
+                       "side/c.py": "import overmind.side.a\n"}.items():
+        (package / name).write_text(text)
+    assert _cycles(_import_graph(package)) == [["overmind.side.a", "overmind.side.b", "overmind.side.c", "overmind.side.a"]]
+    (package / "side" / "c.py").write_text("import overmind.side\n")
+    assert _cycles(_import_graph(package)) == []
 
 
 def test_the_sides_are_the_folders():

@@ -1,4 +1,49 @@
-"""``overmind-bench``: argument parsing and the order of a run (see overmind.bench)."""
+"""overmind-bench: plain vs overmind model loads, cold and warm, memory and start-up.
+
+    overmind-bench --quick                        # a small version of everything, about a minute
+    overmind-bench --json bench.json --plot bench.png          # SD1.5 sizes and a 1.1 B LM
+    overmind-bench --loader diffusers:DiffusionPipeline --model PATH_OR_ID --dtype float16
+    python -m overmind.bench ...                  # the same
+
+Models are generated on this machine with random weights (no hub access) into a reusable
+cache folder (``--cache-dir``, default ``~/.cache/overmind-bench``). Scenarios:
+
+- ``whole_process``: what a user waits for: a script started from the shell, to its model
+  ready and to first use of every weight, as ``python script.py``, ``python script.py`` with
+  ``monkey_patch_all()`` (cache warm), ``overmind run script.py`` (cache and interpreter warm)
+  and the first ``overmind run`` of a new context (:mod:`overmind.bench.whole`);
+- ``controlnet``: a ControlNet workload: AutoencoderKL, two ControlNetModels and
+  StableDiffusionControlNetPipeline(vae=vae, controlnet=[edge, depth]), fp16 safetensors;
+- ``lm``: a Llama-style causal LM in bf16 (1.1 B parameters at the default scale);
+- ``fp32_as_fp16``: a UNet saved in fp32 and loaded with ``torch_dtype=torch.float16``;
+- ``pickle_bin``: the LM as a ``pytorch_model.bin``;
+- ``single_file``: ``StableDiffusionPipeline.from_single_file`` of one original-layout file;
+- ``custom``: your ``--loader`` and ``--model``;
+- ``memory``: K processes hold a model, plain vs overmind: summed PSS and used memory;
+- ``startup``: what ``import overmind.api; monkey_patch_all()`` adds to an interpreter.
+- ``compiled`` and ``restart``, each alone (their own runners): a ``torch.compile`` and an
+  AOTInductor script under ``overmind run`` (:mod:`overmind.bench.compiled`), and how warm a
+  restarted server is, and how much its restore slows a client (:mod:`overmind.bench.restart`).
+
+Each load of the load scenarios runs in a fresh process in three modes: plain
+(``OVERMIND_DISABLE=1``), overmind cold (after evicting the cache) and overmind warm; with
+``--drop-page-cache`` each mode (of every scenario) runs again with the model's files evicted
+from the page cache. Every call is timed, then ``.to(device)``, then the first use of every
+weight. The bench starts its own
+overmind-server in a private runtime directory and stops it at the end: it never touches
+your server or its cache. The table and JSON say which
+``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` value the loads ran under (``advise``
+lets overmind back its segments with huge pages, which makes the first use of a warm model
+cheap); as root, ``--shmem-enabled never,advise`` runs the load scenarios under each value
+in turn and restores the original afterwards. ``--json FILE`` writes every figure (schema:
+:mod:`overmind.bench.report`); ``--plot FILE.png`` draws them (needs matplotlib:
+``pip install 'overmind[bench]'``).
+
+Exit status: 0 done (skipped scenarios say why); 1 a scenario failed (its worker logs are
+kept and named); 2 bad usage.
+"""
+
+# This module: argument parsing and the order of a run; the docstring above is `--help`.
 
 from __future__ import annotations
 
@@ -30,17 +75,18 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXTRA_SCENARIOS = ("warmup_curve", "whole_process", "custom", "memory", "startup")
 # --quick: a small version of every scenario (Note [Processes per scenario or per run] in
 # overmind.bench.runner).
-QUICK = {"scale": "small", "runs": 1, "warm_runs": 1, "memory_procs": 2, "startup_repeats": 5,
-         "process_per": "run", "memory_cases": "controlnet", "whole_runs": 3, "curve_rounds": 1}
-FULL = {"scale": "base", "runs": 3, "warm_runs": 3, "memory_procs": 4, "startup_repeats": 20,
-        "process_per": "scenario", "memory_cases": "controlnet,fp32_as_fp16", "whole_runs": 5, "curve_rounds": 2}
 CURVE_SCRIPTS = ("controlnet", "lm")  # whole-process scripts that load a model
+# --quick (make demo) stays within 3 minutes here: the curve of the ControlNet script only.
+QUICK = {"scale": "small", "runs": 1, "warm_runs": 1, "memory_procs": 2, "startup_repeats": 5,
+         "process_per": "run", "memory_cases": "controlnet", "whole_runs": 2, "curve_rounds": 1,
+         "curve_scripts": "controlnet"}
+FULL = {"scale": "base", "runs": 3, "warm_runs": 3, "memory_procs": 4, "startup_repeats": 20,
+        "process_per": "scenario", "memory_cases": "controlnet,fp32_as_fp16", "whole_runs": 5, "curve_rounds": 2,
+        "curve_scripts": ",".join(CURVE_SCRIPTS)}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import overmind.bench
-
-    parser = argparse.ArgumentParser(prog="overmind-bench", description=overmind.bench.__doc__,
+    parser = argparse.ArgumentParser(prog="overmind-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="a small version of every scenario (small models, 1 run, 2 holders)")
@@ -73,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="restart scenario: pairs of a client run during a restore against one beside nothing "
                              "to restore (default 3; 0 skips them)")
     parser.add_argument("--whole-runs", type=int, metavar="N",
-                        help="its timed runs per script and mode (default 5; --quick: 3)")
+                        help="its timed runs per script and mode (default 5; --quick: 2)")
     parser.add_argument("--curve-scripts", metavar="LIST",
-                        help=f"the warm-up curve's scripts, from {', '.join(CURVE_SCRIPTS)} (default both)")
+                        help=f"the warm-up curve's scripts, from {', '.join(CURVE_SCRIPTS)} "
+                             "(default both; --quick: controlnet)")
     parser.add_argument("--curve-modes", metavar="LIST",
                         help=f"its modes, from {', '.join(CURVE_MODES)} (default both; plain always runs)")
     parser.add_argument("--curve-rounds", type=int, metavar="N",
@@ -192,7 +239,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
     whole_modes = tuple(_names(args.whole_modes or ",".join(WHOLE_MODES), WHOLE_MODES, "--whole-modes"))
     if "plain" not in whole_modes:
         raise ValueError("--whole-modes must include plain: every ratio is against it")
-    curve_scripts = tuple(_names(args.curve_scripts or ",".join(CURVE_SCRIPTS), CURVE_SCRIPTS,
+    curve_scripts = tuple(_names(args.curve_scripts or defaults["curve_scripts"], CURVE_SCRIPTS,
                                  "--curve-scripts")) if "warmup_curve" in chosen else ()
     curve_modes = tuple(_names(args.curve_modes or ",".join(CURVE_MODES), CURVE_MODES, "--curve-modes"))
     if not curve_modes:
