@@ -63,7 +63,7 @@ def test_bad_patch_points_are_left_out_with_one_warning_each_and_the_good_ones_k
     ("OVERMIND_TIMEOUT", "abc", "a number of seconds, at least 0.1"),
     ("OVERMIND_REPLY_TIMEOUT", "inf", "a number of seconds, at least 0.1"),
     ("OVERMIND_FILL_YIELD", "nan", "a number of seconds, at least 0"),
-    ("OVERMIND_SETTLE_AFTER", "-1", "a number of seconds, at least 0; default 30"),
+    ("OVERMIND_SETTLE_AFTER", "-1", "a number of seconds, at least 0, or never; default 30"),
     ("OVERMIND_WORKERS", "2.5", "a whole number, at least 1"),
     ("OVERMIND_WARM_MAX", "0", "a whole number, at least 1"),
     ("OVERMIND_MAX_MEMORY", "lots", "40G, 512M, 60%"),
@@ -77,11 +77,12 @@ def test_a_bad_value_is_a_config_error_naming_the_variable_and_what_is_accepted(
     assert str(err.value).startswith(f"{name}={value!r} ") and accepted in str(err.value), str(err.value)
 
 
-def test_idle_settling_waits_30_s_by_default_empty_turns_it_off_and_zero_means_at_once():
+def test_idle_settling_waits_30_s_by_default_never_or_empty_turns_it_off_and_zero_means_at_once():
     from overmind.shared.config import Config
 
     assert Config.from_env({}).settle_after == 30.0  # Note [Settling file segments] in overmind.server.settle
     assert Config.from_env({"OVERMIND_SETTLE_AFTER": " "}).settle_after is None
+    assert Config.from_env({"OVERMIND_SETTLE_AFTER": "Never"}).settle_after is None
     assert Config.from_env({"OVERMIND_SETTLE_AFTER": "0"}).settle_after == 0.0
     assert Config.from_env({"OVERMIND_SETTLE_AFTER": "7.5"}).settle_after == 7.5
     assert Config.from_env({}).keep_file_pages and not Config.from_env({"OVERMIND_KEEP_FILE_PAGES": "0"}).keep_file_pages

@@ -20,7 +20,6 @@ close the fd at once, so eviction frees the pages when the last client unmaps
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import logging
@@ -37,6 +36,7 @@ from overmind.shared import protocol as P
 from overmind.shared.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
                              write_runtime_file)
 from overmind.server.cold_loads import MAX_TEXT, ColdLoads, reply_error
+from overmind.server.options import parse as parse_options
 from overmind.server.pool import WarmPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
 from overmind.server.programs import ProgramHistory
 from overmind.server.registry import Registry
@@ -481,24 +481,8 @@ def _daemonize(ready_write: int) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="overmind-server", description="The overmind model cache daemon.")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--foreground", action="store_true", help="stay attached; log to stderr too (default)")
-    mode.add_argument("--daemon", action="store_true", help="detach once ready")
-    parser.add_argument("--runtime-dir", help="socket/log directory (default: OVERMIND_RUNTIME_DIR, "
-                        "$XDG_RUNTIME_DIR/overmind, /tmp/overmind-<uid>)")
-    parser.add_argument("--workers", type=int, help="loads that run at once for different keys")
-    parser.add_argument("--max-memory", help="memory budget for cached models: 40G, 512M, 60%% (of RAM) or bytes; "
-                        "default OVERMIND_MAX_MEMORY, else 50%% of RAM. Least recently used entries are evicted.")
-    args = parser.parse_args(argv)
+    args, env = parse_options(argv)  # each flag in its OVERMIND_* variable's place (overmind.server.options)
     _clean_signals()  # Note [A server's signals are its own]
-    env = dict(os.environ)
-    if args.runtime_dir:
-        env["OVERMIND_RUNTIME_DIR"] = args.runtime_dir
-    if args.workers:
-        env["OVERMIND_WORKERS"] = str(args.workers)
-    if args.max_memory:
-        env["OVERMIND_MAX_MEMORY"] = args.max_memory
     from overmind.shared.config import default_runtime_dir
 
     paths = Config(default_runtime_dir(env))  # the runtime dir and log, before the settings are read

@@ -6,10 +6,12 @@ Standard library only (the server imports it)::
     cfg = Config.from_env()
     cfg.socket_path          # <runtime dir>/server.sock
 
+The client's settings (your scripts' environment):
+
 =========================  =========================================================
 ``OVERMIND_RUNTIME_DIR``   socket, log and pid file; else ``$XDG_RUNTIME_DIR/overmind``,
                            else ``/tmp/overmind-<uid>``. Created 0700; refused if another
-                           user owns it or others can enter it.
+                           user owns it or others can enter it. The server's too.
 ``OVERMIND_DISABLE``       ``1``: ``monkey_patch_all()`` patches nothing.
 ``OVERMIND_STRICT``        ``1``: raise instead of falling back to a plain load.
 ``OVERMIND_TIMEOUT``       seconds a client waits for a cold load it chose to wait for
@@ -21,40 +23,29 @@ Standard library only (the server imports it)::
                            the server fills the cache; ``wait``: the caller waits for the
                            cache (always so with ``OVERMIND_STRICT=1``).
 ``OVERMIND_PATCH``         extra patch points, ``module::Qualname.attr``, comma separated.
-``OVERMIND_LOADER_TIMEOUT`` seconds before the server kills a loader (default 3600).
-``OVERMIND_WORKERS``       loads that run at once for different keys (default 2).
-``OVERMIND_FILL_YIELD``    seconds a cache fill that no caller waits for may wait for its
-                           caller's own plain load to end, then run at idle CPU priority
-                           (default 120 each; ``0``: fills start at once at normal priority).
-                           Note [Cold fills wait for their caller] in overmind.server.fill_priority.
-``OVERMIND_SETTLE_AFTER``  seconds without a request after which the server copies the model
-                           files it serves from into sealed memory (default 30; it copies one
-                           at once when the page cache loses it; empty: never, not even then).
-                           Note [Settling file segments] in overmind.server.settle.
-``OVERMIND_KEEP_FILE_PAGES`` ``0``: the server does not keep those files' pages mapped until then
-                           (default ``1``), and the page cache may drop them as any file's:
-                           Note [File segments stay mapped] in overmind.server.settle.
+``OVERMIND_WARM_START``    ``1``: ``monkey_patch_all()`` at the top of a script hands the run
+                           to a warm interpreter, as ``overmind run`` does (overmind.api).
+``OVERMIND_NO_EXT``        ``1``: install and run without the compiled ``overmind._C``
+                           (read by ``setup.py`` and ``overmind.shared.native``).
+=========================  =========================================================
+
+The server's settings are each also a flag of ``overmind-server`` (``OVERMIND_WARM_MAX`` is
+``--warm-max``; a flag given wins). One table, overmind.server.options.SETTINGS, says what each
+means and its default, and ``overmind-server --help`` prints it: ``OVERMIND_RUNTIME_DIR``,
+``OVERMIND_STATE_DIR``, ``OVERMIND_MAX_MEMORY``, ``OVERMIND_RESTORE``, ``OVERMIND_SETTLE_AFTER``,
+``OVERMIND_KEEP_FILE_PAGES``, ``OVERMIND_FILL_YIELD``, ``OVERMIND_WORKERS``,
+``OVERMIND_LOADER_TIMEOUT``, ``OVERMIND_WARM_MAX``, ``OVERMIND_WARM_MEMORY``,
+``OVERMIND_WARM_IDLE``, ``OVERMIND_LOG_LEVEL``. They are read here, by :meth:`Config.from_env`.
+
+Seams for tests and benchmarks, not settings a user needs (``OVERMIND_NO_AUTOSTART`` also
+serves pods that share their node's server: deploy/example-pod.yaml):
+
+=========================  =========================================================
 ``OVERMIND_NO_AUTOSTART``  ``1``: clients never start a server themselves.
 ``OVERMIND_PRESTART``      ``0``: ``monkey_patch_all()`` does not ask the server, in the
                            background, to get a loader ready for this process.
 ``OVERMIND_QUICK_EXIT``    ``0``: ``monkey_patch_all()`` leaves the interpreter's teardown as
                            it is (Note [The drop-in leaves quickly] in overmind.shared.teardown).
-``OVERMIND_MAX_MEMORY``    server memory budget: ``40G``, ``512M``, ``60%`` of RAM or bytes
-                           (default 50% of RAM); least recently used entries are evicted.
-``OVERMIND_LOG_LEVEL``     server log level: DEBUG, INFO (default), WARNING, ERROR or CRITICAL.
-``OVERMIND_WARM_MAX``      warm interpreters kept at once, one per context (default 4).
-``OVERMIND_WARM_IDLE``     seconds an unused warm interpreter is kept (default 1800).
-``OVERMIND_WARM_MEMORY``   memory all warm interpreters may hold together, as PSS (default 8G).
-``OVERMIND_WARM_START``    ``1``: ``monkey_patch_all()`` at the top of a script hands the run
-                           to a warm interpreter, as ``overmind run`` does (overmind.api).
-``OVERMIND_NO_EXT``        ``1``: install and run without the compiled ``overmind._C``
-                           (read by ``setup.py`` and ``overmind.shared.native``).
-``OVERMIND_STATE_DIR``     where the server keeps what it learned across restarts (overmind.server.state);
-                           else ``$XDG_STATE_HOME/overmind``, else ``~/.local/state/overmind``.
-                           Created 0700; refused if another user owns it or others can write it.
-``OVERMIND_RESTORE``       how much of the recently used cache a fresh server refills on its own
-                           (overmind.server.restore): ``40G``, ``512M``, bytes, or ``60%`` of the memory
-                           budget (default ``100%``); ``0``: nothing (the state is still kept).
 =========================  =========================================================
 
 Yes/no settings take ``1``, ``true``, ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off``
@@ -214,12 +205,12 @@ def flag(name: str, env=None, default: bool = False) -> bool:
     return _flag(os.environ if env is None else env, name, default)
 
 
-def _number(env, name: str, default: float, minimum: float, whole: bool = False) -> float:
+def _number(env, name: str, default: float, minimum: float, whole: bool = False, also: str = "") -> float:
     raw = env.get(name, "").strip()
     if not raw:
         return default
     what = "a whole number" if whole else "a number of seconds"
-    accepted = f"accepted: {what}, at least {minimum:g}; default {default:g}"
+    accepted = f"accepted: {what}, at least {minimum:g}{also}; default {default:g}"
     try:
         value = int(raw) if whole else float(raw)
     except ValueError:
@@ -230,12 +221,12 @@ def _number(env, name: str, default: float, minimum: float, whole: bool = False)
 
 
 def _optional_number(env, name: str, default: float, minimum: float) -> Optional[float]:
-    """Seconds; ``default`` where the variable is unset, None (never) where it is set empty."""
+    """Seconds; ``default`` where the variable is unset, None where it is ``never`` or set empty."""
     if name not in env:
         return default
-    if not env[name].strip():
+    if env[name].strip().lower() in ("", "never"):
         return None
-    return _number(env, name, default, minimum)
+    return _number(env, name, default, minimum, also=", or never")
 
 
 def _size(env, name: str) -> Optional[int]:
