@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from overmind.server import options
 from overmind.shared import config, hugepages
 from overmind.shared.config import Config, ensure_private_dir
 from overmind.shared.config import parse_size
@@ -29,6 +31,7 @@ from ..conftest import REPO, child_env
 DAEMONSET = REPO / "deploy/overmind-daemonset.yaml"
 EXAMPLE_POD = REPO / "deploy/example-pod.yaml"
 TMPFILES = REPO / "systemd/overmind-hugepages.conf"
+UNIT = REPO / "systemd/overmind.service"
 
 
 def _one(path: Path, kind: str) -> dict:
@@ -63,6 +66,17 @@ def _inference(spec: dict) -> dict:
 
 def _env(container: dict) -> dict[str, str]:
     return {e["name"]: str(e["value"]) for e in container.get("env", [])}
+
+
+def _server_config(container: dict) -> Config:
+    """What the server container's command and environment give the server (a flag wins)."""
+    return Config.from_env(options.parse(container["command"][1:], _env(container))[1])
+
+
+def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """``argv`` with ``flag``'s value replaced by ``value``."""
+    at = argv.index(flag)
+    return [*argv[:at + 1], value, *argv[at + 2:]]
 
 
 def _mount(spec: dict, container: dict, volume: str) -> tuple[str, str]:
@@ -100,10 +114,10 @@ def test_server_and_pods_name_the_same_host_directory_as_their_runtime_dir(daemo
     server_mount, server_host = _mount(daemonset, _server(daemonset), "overmind-runtime")
     pod_mount, pod_host = _mount(pod, _inference(pod), "overmind-runtime")
     assert server_host == pod_host
-    for env, mount in ((_env(_server(daemonset)), server_mount), (_env(_inference(pod)), pod_mount)):
-        assert Config.from_env(env).runtime_dir == Path(mount)
+    server, client = _server_config(_server(daemonset)), Config.from_env(_env(_inference(pod)))
+    assert server.runtime_dir == Path(server_mount) and client.runtime_dir == Path(pod_mount)
     # One socket for both: the same path in the same host directory.
-    assert Config.from_env(_env(_server(daemonset))).socket_path == Config.from_env(_env(_inference(pod))).socket_path
+    assert server.socket_path == client.socket_path
 
 
 def test_hugepages_init_container_writes_an_enabling_value_to_the_file_hugepages_reads(daemonset, tmp_path):
@@ -151,7 +165,8 @@ def test_server_command_is_the_installed_console_script_and_serves_the_pods_sock
     try:
         env = {**child_env(), **_env(server), "OVERMIND_RUNTIME_DIR": str(runtime_dir),
                "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-        proc = subprocess.Popen([str(bin_dir / command[0]), *command[1:]], env=env, stdout=subprocess.PIPE,
+        argv = _with_flag(command[1:], "--state-dir", str(runtime_dir / "state"))  # not the node's path
+        proc = subprocess.Popen([str(bin_dir / command[0]), *argv], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         try:
             line = proc.stdout.readline()
@@ -196,7 +211,8 @@ def _quantity(text: str) -> int:
 
 def test_the_cache_budget_fits_in_the_server_containers_memory_limit(daemonset):
     server = _server(daemonset)
-    budget = parse_size(_env(server)["OVERMIND_MAX_MEMORY"])
+    budget = _server_config(server).max_memory
+    assert budget == parse_size(server["command"][server["command"].index("--max-memory") + 1])
     limit = _quantity(server["resources"]["limits"]["memory"])
     assert budget + (2 << 30) <= limit  # segments are charged to this cgroup; loaders need room too
 
@@ -236,7 +252,7 @@ def test_state_dir_survives_the_pod_and_its_init_container_leaves_one_overmind_a
 
     server = _server(daemonset)
     mount, host = _mount(daemonset, server, "overmind-state")
-    assert Config.from_env(_env(server)).state_dir == Path(mount)
+    assert _server_config(server).state_dir == Path(mount)
     assert not host.startswith(("/run", "/tmp", "/dev/shm"))  # tmpfs: emptied at reboot
     init = _container(daemonset, "state-dir", init=True)
     uid, gid = _identity(daemonset, server)
@@ -247,10 +263,68 @@ def test_state_dir_survives_the_pod_and_its_init_container_leaves_one_overmind_a
     os.close(open_state_dir(state_dir))  # raises if others can write it or it is not ours
 
 
+def test_the_server_gets_its_settings_as_flags_where_a_flag_exists(daemonset):
+    """overmind-server's flags (overmind.server.options): the examples set the server's settings on its
+    command line; only the runtime directory stays a variable in the container, where `overmind status`
+    (the readiness probe, `kubectl exec`) reads it too."""
+    server = _server(daemonset)
+    flags = {s.variable: s.flag for s in options.SETTINGS}
+    assert {n for n in _env(server) if n in flags} == {"OVERMIND_RUNTIME_DIR"}
+    assert {"--max-memory", "--state-dir"} <= set(server["command"])
+    unit = _unit_lines()
+    assert not [line for line in unit if line.startswith("Environment=") and line.split("=")[1] in flags], unit
+
+
+def _unit_lines() -> list[str]:
+    return [line.strip() for line in UNIT.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _unit_command(key: str, runtime: str, state: str) -> list[str]:
+    """The unit's ``key=`` command line, with systemd's %t and %S in place (systemd.unit, Specifiers)."""
+    [line] = [line for line in _unit_lines() if line.startswith(f"{key}=")]
+    argv = shlex.split(line[len(key) + 1:].lstrip("-"))
+    assert argv[0] == "/usr/bin/env", argv
+    return [arg.replace("%t", runtime).replace("%S", state) for arg in argv[1:]]
+
+
 def test_unit_keeps_its_state_dir_and_waits_for_the_restore():
-    unit = (REPO / "systemd/overmind.service").read_text()
-    lines = [line.strip() for line in unit.splitlines() if not line.startswith("#")]
-    assert "StateDirectory=overmind" in lines and "Environment=OVERMIND_STATE_DIR=%S/overmind" in lines
+    lines = _unit_lines()
+    assert "StateDirectory=overmind" in lines
     post = [line for line in lines if line.startswith("ExecStartPost=")]
-    assert len(post) == 1 and "overmind status --wait-ready --timeout" in post[0]
+    assert len(post) == 1 and "overmind status --runtime-dir %t/overmind --wait-ready --timeout" in post[0]
     assert post[0].startswith("ExecStartPost=-")  # a slow restore never fails the unit
+    # The server's flags name systemd's StateDirectory= (%S/overmind) and the runtime directory clients
+    # find by default ($XDG_RUNTIME_DIR, which is %t in a user service).
+    start = _unit_command("ExecStart", "/run/user/1000", "/home/u/.local/state")
+    assert start[:2] == ["overmind-server", "--foreground"]
+    server = Config.from_env(options.parse(start[1:], {})[1])
+    assert server.state_dir == Path("/home/u/.local/state/overmind")
+    assert server.runtime_dir == Config.from_env({"XDG_RUNTIME_DIR": "/run/user/1000"}).runtime_dir
+    status = _unit_command("ExecStartPost", "/run/user/1000", "/home/u/.local/state")
+    assert status[status.index("--runtime-dir") + 1] == str(server.runtime_dir)
+
+
+def test_unit_commands_start_a_server_and_wait_for_it_here(tmp_path):
+    """ExecStart= and ExecStartPost= as systemd runs them, with %t and %S in temp directories."""
+    bin_dir = Path(sys.executable).parent
+    runtime = tempfile.mkdtemp(prefix="om-unit-", dir="/tmp")  # short: AF_UNIX paths
+    env = {**child_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    try:
+        start = _unit_command("ExecStart", runtime, str(tmp_path))
+        proc = subprocess.Popen([str(bin_dir / start[0]), *start[1:]], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline()
+            assert f"socket {runtime}/overmind/server.sock" in line, (line, proc.poll() and proc.stderr.read())
+            post = _unit_command("ExecStartPost", runtime, str(tmp_path))
+            ready = subprocess.run([str(bin_dir / post[0]), *post[1:]], env=env, capture_output=True, text=True,
+                                   timeout=60)
+            assert ready.returncode == 0 and f"overmind-server pid {proc.pid} ready" in ready.stdout, ready
+            assert (tmp_path / "overmind").is_dir()  # --state-dir %S/overmind
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+            proc.stdout.close()
+            proc.stderr.close()
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
