@@ -100,61 +100,23 @@ NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # in INTERPRETERS_OWN: never compa
 PRIME_AFTER_QUIET = 0.5
 
 
-class WarmInterpreter:
-    def __init__(self, control: socket.socket) -> None:
-        self.control = control
-        self.children = Children()
+class Holdings:
+    """What a warm interpreter holds, and whether a fork may copy it: the modules it imported,
+    each under watch (Note [Forking only past what a fork keeps]), the files they came from
+    (Note [Warm interpreters]), the settings their imports read (Note [Settings an import read]
+    in overmind.shared.import_env: only news travels to the server), what it learned for its
+    successor and the modules kept out of its context's interpreters."""
+
+    def __init__(self) -> None:
         self.files: dict[str, tuple[int, int]] = {}  # Note [Warm interpreters]
         self.census = ThreadCensus()  # Note [Forking only past what a fork keeps]
-        self.nvml_check = os.environ.get(NVML_CHECK)  # the caller's: back in every child
-        self.retiring = False
         self.learned: list[str] = []  # what runs imported that we did not hold: for our successor
-        self.to_learn: list[str] = []
-        self.to_preload: list[dict] = []  # AOTInductor packages: Note [AOTInductor packages are handed over]
-        self.compiles = False  # its context's runs made Inductor's probes (overmind.shared.inductor)
-        self.priming: Priming | None = None  # Note [Inductor's probes, made once] in overmind.warm.compiled
-        self.last_message = time.monotonic()  # from the server, on the control socket
         self.refused_modules: set[str] = set()
-        self.unforkable = ""  # Note [A tainted interpreter says so at once]: why, once it said so
-        self.tainted = False  # the last _import started a thread nobody vouches for
+        self.tainted = False  # the last import_ started a thread nobody vouches for
         self.reads = Reads()  # Note [Settings an import read] in overmind.shared.import_env
         self.told: tuple[set, set] = (set(), set())  # the names and prefixes the server has heard of
-        self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
-    # -- start ------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
-        signal.set_wakeup_fd(self.wakeup_w, warn_on_full_buffer=False)
-        if sys.path and sys.path[0] in ("", os.getcwd()):
-            del sys.path[0]  # `python -c` put the cwd ("/") first; a run sets its own sys.path[0]
-        message, _, fds = P.recv_message(self.control)
-        P.close_fds(fds)
-        warm = P.expect(message, P.Warm, "first, from the server")
-        self.refused_modules.update(n for n in warm.refused if isinstance(n, str))
-        yielding = _yield_cpu()  # Note [Warming up yields the CPU]
-        os.environ[NVML_CHECK] = "1"
-        imported = self._import(PREIMPORT)
-        with recording(self.reads):
-            import overmind.shared.quirks  # noqa: F401  (torch-side helpers before forking)
-            import overmind.shared.reductions  # noqa: F401
-            import overmind.warm.child  # noqa: F401  (what every run imports first)
-
-        self.census.take()  # Note [Forking only past what a fork keeps]: what runs now is its own
-        self.compiles = INDUCTOR_USED in warm.modules
-        imported += self._import(warm.modules)
-        self._record_files()
-        self._index()
-        self._prime()
-        self._to_preload(warm.packages)
-        if yielding:
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        P.send_message(self.control, P.LoaderReady(os.getpid(), imported, refused=sorted(self.refused_modules),
-                                                   environ=self._news()))
-        if len(self.refused_modules) > len(warm.refused):  # its own imports started a thread
-            self._say_unforkable()
-
-    def _import(self, names) -> list[str]:
+    def import_(self, names) -> list[str]:
         """Import those of ``names`` installed and not yet held, under watch; the ones imported.
         ``self.tainted`` says whether one started a thread nobody vouches for."""
         done = []
@@ -197,28 +159,113 @@ class WarmInterpreter:
             done.append(name)
         return done
 
+    def record_files(self, extra=()) -> None:
+        from overmind.warm.installed import installed_modules
+
+        paths = [getattr(sys.modules.get(name), "__file__", None) for name in installed_modules(exclude=())]
+        for path in [*paths, *extra]:
+            if isinstance(path, str) and path not in self.files:
+                try:
+                    st = os.stat(path)
+                    self.files[path] = (st.st_mtime_ns, st.st_size)
+                except OSError:
+                    pass
+
+    def why_not_forkable(self) -> str:
+        """Note [Forking only past what a fork keeps], and Note [Warm interpreters]."""
+        why = self.census.strangers_note() or cuda_note()
+        if why:
+            return why
+        for path, (mtime_ns, size) in self.files.items():
+            try:
+                st = os.stat(path)
+                if (st.st_mtime_ns, st.st_size) == (mtime_ns, size):
+                    continue
+            except OSError:
+                pass
+            return f"{path} changed since it was imported (Note [Warm interpreters])"
+        return ""
+
+    def news(self) -> dict:
+        """The names and prefixes read since the server last heard: only news travels."""
+        names = [n for n in self.reads.names if n not in self.told[0]]
+        prefixes = [p for p in self.reads.prefixes if p not in self.told[1]]
+        self.told[0].update(names)
+        self.told[1].update(prefixes)
+        return {"names": names, "prefixes": prefixes} if names or prefixes else {}
+
+
+class WarmInterpreter:
+    def __init__(self, control: socket.socket) -> None:
+        self.control = control
+        self.children = Children()
+        self.held = Holdings()
+        self.nvml_check = os.environ.get(NVML_CHECK)  # the caller's: back in every child
+        self.retiring = False
+        self.to_learn: list[str] = []
+        self.to_preload: list[dict] = []  # AOTInductor packages: Note [AOTInductor packages are handed over]
+        self.compiles = False  # its context's runs made Inductor's probes (overmind.shared.inductor)
+        self.priming: Priming | None = None  # Note [Inductor's probes, made once] in overmind.warm.compiled
+        self.last_message = time.monotonic()  # from the server, on the control socket
+        self.unforkable = ""  # Note [A tainted interpreter says so at once]: why, once it said so
+        self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    # -- start ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
+        signal.set_wakeup_fd(self.wakeup_w, warn_on_full_buffer=False)
+        if sys.path and sys.path[0] in ("", os.getcwd()):
+            del sys.path[0]  # `python -c` put the cwd ("/") first; a run sets its own sys.path[0]
+        message, _, fds = P.recv_message(self.control)
+        P.close_fds(fds)
+        warm = P.expect(message, P.Warm, "first, from the server")
+        self.held.refused_modules.update(n for n in warm.refused if isinstance(n, str))
+        yielding = _yield_cpu()  # Note [Warming up yields the CPU]
+        os.environ[NVML_CHECK] = "1"
+        imported = self.held.import_(PREIMPORT)
+        with recording(self.held.reads):
+            import overmind.shared.quirks  # noqa: F401  (torch-side helpers before forking)
+            import overmind.shared.reductions  # noqa: F401
+            import overmind.warm.child  # noqa: F401  (what every run imports first)
+
+        self.held.census.take()  # Note [Forking only past what a fork keeps]: what runs now is its own
+        self.compiles = INDUCTOR_USED in warm.modules
+        imported += self.held.import_(warm.modules)
+        self.held.record_files()
+        self._index()
+        self._prime()
+        self._to_preload(warm.packages)
+        if yielding:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        P.send_message(self.control, P.LoaderReady(os.getpid(), imported, refused=sorted(self.held.refused_modules),
+                                                   environ=self.held.news()))
+        if len(self.held.refused_modules) > len(warm.refused):  # its own imports started a thread
+            self._say_unforkable()
+
     def _index(self) -> None:
         """_index_bound_names, recorded: looking names up may import (lazy modules)."""
-        with recording(self.reads):
+        with recording(self.held.reads):
             _index_bound_names()
 
     def _prime(self) -> None:
         """Note [Inductor's probes, made once] in overmind.warm.compiled: once, if the compile stack was
         learned; made a probe at a time between forks (serve)."""
-        if self.priming is None and self.compiles and PRIMING not in self.refused_modules and compile_stack_held():
+        if self.priming is None and self.compiles and PRIMING not in self.held.refused_modules \
+                and compile_stack_held():
             self.priming = Priming()
 
     def _prime_step(self) -> None:
         yielding = _yield_cpu()
         try:
-            self.priming.step(self.reads)
+            self.priming.step(self.held.reads)
         finally:
             if yielding:
                 os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         if self.priming.done:
-            self._record_files(self.priming.files)
+            self.held.record_files(self.priming.files)
             if self.priming.refuse:
-                self.refused_modules.add(PRIMING)  # the context's next interpreters do not prime
+                self.held.refused_modules.add(PRIMING)  # the context's next interpreters do not prime
 
     def _to_preload(self, packages) -> None:
         from overmind.shared.packages import packages_from_wire, spec_key
@@ -233,51 +280,14 @@ class WarmInterpreter:
 
         yielding = _yield_cpu()
         try:
-            refused = preload_warm(self.to_preload.pop(0), self.reads, self.refused_modules)
+            refused = preload_warm(self.to_preload.pop(0), self.held.reads, self.held.refused_modules)
         finally:
             if yielding:
                 os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        self.refused_modules.update(refused)
-        self._record_files()  # what loading it imported (torch._inductor, if no run had)
+        self.held.refused_modules.update(refused)
+        self.held.record_files()  # what loading it imported (torch._inductor, if no run had)
         self._index()
         self._prime()
-
-    def _news(self) -> dict:
-        """The names and prefixes read since the server last heard: only news travels."""
-        names = [n for n in self.reads.names if n not in self.told[0]]
-        prefixes = [p for p in self.reads.prefixes if p not in self.told[1]]
-        self.told[0].update(names)
-        self.told[1].update(prefixes)
-        return {"names": names, "prefixes": prefixes} if names or prefixes else {}
-
-    def _record_files(self, extra=()) -> None:
-        from overmind.warm.installed import installed_modules
-
-        paths = [getattr(sys.modules.get(name), "__file__", None) for name in installed_modules(exclude=())]
-        for path in [*paths, *extra]:
-            if isinstance(path, str) and path not in self.files:
-                try:
-                    st = os.stat(path)
-                    self.files[path] = (st.st_mtime_ns, st.st_size)
-                except OSError:
-                    pass
-
-    # -- fork safety --------------------------------------------------------------------------
-
-    def _why_not_forkable(self) -> str:
-        """Note [Forking only past what a fork keeps], and Note [Warm interpreters]."""
-        why = self.census.strangers_note() or cuda_note()
-        if why:
-            return why
-        for path, (mtime_ns, size) in self.files.items():
-            try:
-                st = os.stat(path)
-                if (st.st_mtime_ns, st.st_size) == (mtime_ns, size):
-                    continue
-            except OSError:
-                pass
-            return f"{path} changed since it was imported (Note [Warm interpreters])"
-        return ""
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -321,11 +331,11 @@ class WarmInterpreter:
 
     def _to_learn(self, names) -> None:
         self.compiles = self.compiles or INDUCTOR_USED in names  # the mark goes on as a name: overmind.shared.inductor
-        new = [n for n in names if isinstance(n, str) and n not in sys.modules and n not in self.refused_modules
+        new = [n for n in names if isinstance(n, str) and n not in sys.modules and n not in self.held.refused_modules
                and n not in self.to_learn]
         if not self.unforkable:  # Note [A tainted interpreter says so at once]: its successor learns them
             self.to_learn.extend(new)
-        self.learned.extend(n for n in new if n not in self.learned)
+        self.held.learned.extend(n for n in new if n not in self.held.learned)
 
     def _learn_now(self, names: list) -> None:
         """Import ``names``, and what was queued before them, now, at our current priority."""
@@ -333,8 +343,8 @@ class WarmInterpreter:
             return
         last = max(self.to_learn.index(n) for n in names)
         now, self.to_learn = self.to_learn[:last + 1], self.to_learn[last + 1:]
-        self._import(now)
-        self._record_files()
+        self.held.import_(now)
+        self.held.record_files()
         self._index()
         self._prime()
 
@@ -343,27 +353,28 @@ class WarmInterpreter:
         name = self.to_learn.pop(0)
         yielding = _yield_cpu()
         try:
-            self._import([name])
+            self.held.import_([name])
         finally:
             if yielding:
                 os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        if self.tainted:
+        if self.held.tainted:
             self._say_unforkable()
             return
         if not self.to_learn:
-            self._record_files()
+            self.held.record_files()
             self._index()
             self._prime()
 
     def _say_unforkable(self) -> None:
         """Note [A tainted interpreter says so at once]."""
-        why = self._why_not_forkable()
+        why = self.held.why_not_forkable()
         if not why:
             return  # the thread ended meanwhile
         self.unforkable = why
         self.to_learn.clear()
         logger.info("cannot fork (%s): asking the server for a successor", why)
-        P.send_message(self.control, P.Unforkable(why, refused=sorted(self.refused_modules), environ=self._news()))
+        P.send_message(self.control, P.Unforkable(why, refused=sorted(self.held.refused_modules),
+                                                  environ=self.held.news()))
 
     def _control(self) -> None:
         self.last_message = time.monotonic()
@@ -380,7 +391,7 @@ class WarmInterpreter:
             return
         if isinstance(message, P.Warm):  # a client's imports, as they happen: Note [Warm interpreters learn]
             P.close_fds(fds)
-            self.refused_modules.update(n for n in message.refused if isinstance(n, str))
+            self.held.refused_modules.update(n for n in message.refused if isinstance(n, str))
             self._to_learn(message.modules)
             self._to_preload(message.packages)
             return
@@ -396,26 +407,29 @@ class WarmInterpreter:
             self._to_learn(message.modules)
             if not self.unforkable:
                 self._learn_now([n for n in message.modules if n in self.to_learn])
-        why = self._why_not_forkable()
+        why = self.held.why_not_forkable()
         if why and isinstance(message, P.Job):
             # Note [A fill never waits for a fork]: a fresh interpreter loads it instead.
             logger.info("cannot fork (%s): load %s runs in a fresh interpreter", why, message.key[:16])
             pid = self.children.spawn_job(message, blob, fds[0], self._child_environ())
-            P.send_message(self.control, P.JobStarted(message.key, pid, modules=len(sys.modules), learned=self.learned,
-                                                      environ=self._news(), unforkable=why,
-                                                      refused=sorted(self.refused_modules)))
+            P.send_message(self.control, P.JobStarted(message.key, pid, modules=len(sys.modules),
+                                                      learned=self.held.learned, environ=self.held.news(),
+                                                      unforkable=why, refused=sorted(self.held.refused_modules)))
             return
         if why:
             P.close_fds(fds)
             P.send_message(self.control, P.JobFailed(getattr(message, "key", "run"), P.ErrorCode.NOT_FORKABLE, why,
-                                                     refused=sorted(self.refused_modules), environ=self._news()))
+                                                     refused=sorted(self.held.refused_modules),
+                                                     environ=self.held.news()))
             return
         if isinstance(message, P.Fork):  # Note [Settings an import read] in overmind.shared.import_env
             env = message.spec.get("env") if isinstance(message.spec, dict) else None
-            why = differs(env if isinstance(env, dict) else {}, os.environ, self.reads.names, self.reads.prefixes)
+            reads = self.held.reads
+            why = differs(env if isinstance(env, dict) else {}, os.environ, reads.names, reads.prefixes)
             if why:
                 P.close_fds(fds)
-                P.send_message(self.control, P.JobFailed("run", P.ErrorCode.ENV_DIFFERS, why, environ=self._news()))
+                P.send_message(self.control, P.JobFailed("run", P.ErrorCode.ENV_DIFFERS, why,
+                                                         environ=self.held.news()))
                 return
         if isinstance(message, P.Job):
             pid = self.children.fork_job(message, blob, fds[0], self._in_child)
@@ -428,8 +442,8 @@ class WarmInterpreter:
                                                          "the front end left before its run started"))
                 return
             key = "run"
-        P.send_message(self.control, P.JobStarted(key, pid, modules=len(sys.modules), learned=self.learned,
-                                                  environ=self._news()))
+        P.send_message(self.control, P.JobStarted(key, pid, modules=len(sys.modules), learned=self.held.learned,
+                                                  environ=self.held.news()))
 
     def _child_environ(self) -> dict:
         """The environment a load runs under: ours, with the caller's NVML_CHECK back."""
