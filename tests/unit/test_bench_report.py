@@ -31,7 +31,7 @@ def test_quick_is_small_one_run_two_holders_one_process_per_mode():
     assert quick.startup and full.startup
     # The whole-process scenario: every script, 3 timed runs per mode in --quick, 5 otherwise.
     assert quick.whole_scripts == full.whole_scripts == ("controlnet", "lm", "imports")
-    assert (quick.whole_runs, full.whole_runs) == (3, 5)
+    assert (quick.whole_runs, full.whole_runs) == (2, 5)
     assert full.whole_modes == ("plain", "patched", "run", "first_run")
     only = plan_of("--scenarios", "lm", "--whole-runs", "2")
     assert only.whole_scripts == () and [s.name for s in only.scenarios] == ["lm"]
@@ -195,7 +195,7 @@ def test_whole_process_document_orders_rows_divides_by_plain_and_validates():
 
 def test_the_warm_up_curve_is_in_every_run_by_default_and_its_options_pick_scripts_modes_and_rounds():
     quick, full = plan_of("--quick"), plan_of()
-    assert quick.curve_scripts == full.curve_scripts == ("controlnet", "lm")
+    assert (quick.curve_scripts, full.curve_scripts) == (("controlnet",), ("controlnet", "lm"))
     assert (quick.curve_rounds, full.curve_rounds, full.curve_modes) == (1, 2, ("patched", "run"))
     assert full.curve_page_cache == ("warm",) and full.curve_drop is None
     picked = plan_of("--scenarios", "warmup_curve", "--curve-scripts", "lm", "--curve-modes", "run",
