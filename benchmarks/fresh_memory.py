@@ -9,7 +9,7 @@ already touched, and prints the rate of each 512 MiB; then frees it and at once 
 reports free pages (``/sys/module/page_reporting``, virtio-balloon), the first GBs, which reuse
 memory freed moments before, fill several times faster than the rest, which the host must
 fault in again: this is why a fill of the ControlNet workload's pipeline takes seconds here (Note
-[Joining a fill] in ``overmind.server.cold_loads``). Reads only; changes no setting.
+[Joining a fill] in ``overmind.server.fills``). Reads only; changes no setting.
 
 ``--beside CMD`` measures what such a fill costs a process running beside it (what a user's next
 run meets while the cache fills behind the last): CMD (a shell command, e.g. ``python

@@ -3,7 +3,7 @@
     python3 benchmarks/gpu_imports.py [--passes list,probe] [--modules a,b:attr,c|d] [--timeout 240]
 
 Standalone (stdlib; torch only in the children), importable without a GPU. Each pass runs in a
-fresh interpreter started the way a warm interpreter is (overmind.server.pool.WarmProcess,
+fresh interpreter started the way a warm interpreter is (overmind.server.warm_process.WarmProcess,
 overmind.warm.interpreter): ``python -c``, cwd ``/``, a session of its own, stdin from
 /dev/null, the environment without ``OVERMIND_*`` but ``OVERMIND_DISABLE=1`` and
 ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (Note [Warm interpreters never touch CUDA] in
@@ -412,7 +412,8 @@ def probe_pass(steps) -> None:
 
 
 def child_env() -> dict:
-    """The warm interpreter's: the caller's environment without OVERMIND_*, as overmind.server.pool starts it."""
+    """The warm interpreter's: the caller's environment without OVERMIND_*, as overmind.server.warm_process
+    starts it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OVERMIND_")}
     env.update({"OVERMIND_DISABLE": "1", NVML_CHECK: "1", "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
                 "TOKENIZERS_PARALLELISM": env.get("TOKENIZERS_PARALLELISM", "false")})

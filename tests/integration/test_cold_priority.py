@@ -1,6 +1,6 @@
 """A cache fill nobody waits for yields the CPU to its caller; one somebody waits for does not.
 
-Note [Cold fills yield to their caller] in overmind.server.pool. A custom patch point stands
+Note [Cold fills yield to their caller] in overmind.server.fills. A custom patch point stands
 in for a slow load: in the loader (a warm interpreter's child, ``OVERMIND_DISABLE=1``) it
 starts a second thread, leaves a file named after its pid and waits for the test's ``go``;
 in the caller it loads at once. The tests read the policy of every thread of that loader.

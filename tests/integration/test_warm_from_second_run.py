@@ -2,7 +2,7 @@
 the first run imports, and a caller that joins a fill instead of loading plainly.
 
 Note [Prefetch] in overmind.client.prefetch, Note [Teaching the interpreter while importing] there,
-Note [Joining a fill] in overmind.server.cold_loads. Real server, real scripts run as fresh processes.
+Note [Joining a fill] in overmind.server.fills. Real server, real scripts run as fresh processes.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from overmind.shared import protocol as P
 from overmind.shared.memfd import Segment
 from overmind.server.registry import CacheEntry, Registry
 
@@ -55,53 +56,6 @@ def test_malformed_content_records_from_a_loader_are_dropped():
     assert [r[0] for r in registry.content_index()["regions"]] == ["aa" * 16]  # slot 7 does not exist
     registry.evict(["a"])
     seg.close()
-
-
-# -- single flight and remembered failures (Note [Only deterministic failures are remembered]) ---
-
-from overmind.shared import protocol as P  # noqa: E402
-from overmind.server import registry as R  # noqa: E402
-
-
-def _fail(registry: Registry, key: str, code: int, remember: bool, text: str = "boom") -> None:
-    admission = registry.begin(key)
-    assert admission.started, admission
-    admission.flight.error = P.Error(code, text, "tb" * 100_000)
-    registry.finish(key, admission.flight, remember=remember)
-
-
-def test_a_raise_is_remembered_and_answered_without_a_new_load():
-    registry = Registry(budget=1 << 30)
-    _fail(registry, "k", P.ErrorCode.LOADER_FAILED, remember=True)
-    again = registry.begin("k")
-    assert not again.started and again.failure is not None and again.failure.message == "boom"
-    assert len(again.failure.traceback) <= R.MAX_REMEMBERED_TEXT  # bounded text
-
-
-def test_a_loader_death_is_retried_until_it_happens_max_deaths_times_in_a_row():
-    registry = Registry(budget=1 << 30)
-    for _ in range(R.MAX_DEATHS):
-        _fail(registry, "k", P.ErrorCode.LOADER_CRASHED, remember=False)
-    assert registry.counters()["misses"] == R.MAX_DEATHS  # each death was tried again
-    stop = registry.begin("k")
-    assert not stop.started and stop.failure.code == P.ErrorCode.LOADER_CRASHED
-
-
-def test_remembered_failures_are_bounded_however_many_keys_fail():
-    registry = Registry(budget=1 << 30)
-    for i in range(R.MAX_FAILURES + 500):
-        _fail(registry, f"{i:032x}", P.ErrorCode.LOADER_FAILED, remember=True, text="x" * 100_000)
-    assert registry.remembered_failures() == R.MAX_FAILURES
-    assert registry.begin(f"{0:032x}").started  # the oldest was forgotten: it may be tried again
-
-
-def test_loads_in_flight_are_capped_and_the_cap_answers_busy():
-    registry = Registry(budget=1 << 30, max_flights=3)
-    flights = [registry.begin(f"k{i}") for i in range(3)]
-    assert all(a.started for a in flights)
-    busy = registry.begin("k3")
-    assert busy.busy and not busy.started and busy.flight is None
-    assert registry.begin("k0").flight is flights[0].flight and not registry.begin("k0").started  # single flight
 
 
 def test_segment_fds_are_duplicates_of_that_entrys_segments():

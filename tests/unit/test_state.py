@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 
 from overmind.shared import protocol as P
-from overmind.server.cold_loads import ColdLoads
+from overmind.server.cold_loads import check_modules, check_request
 from overmind.shared.config import Config, ConfigError, default_state_dir
 from overmind.server.pool import WarmPool, context_from_wire
 from overmind.server.programs import ProgramHistory
 from overmind.server.state import (FORMAT, VERSION, StateError, StateKeeper, open_state_dir, parse_state, read_state,
                             remove_leftovers, write_state)
 
-CHECKS = (ColdLoads.check_request, context_from_wire, ColdLoads.check_modules)
+CHECKS = (check_request, context_from_wire, check_modules)
 
 
 def _entry(tmp_path: Path, key: str = "a" * 32, **load) -> dict:

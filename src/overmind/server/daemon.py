@@ -35,14 +35,15 @@ from overmind import __version__
 from overmind.shared import protocol as P
 from overmind.shared.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
                              write_runtime_file)
-from overmind.server.cold_loads import MAX_TEXT, ColdLoads, reply_error
+from overmind.server.cold_loads import MAX_TEXT, ColdLoads, check_modules, check_request, reply_error
 from overmind.server.options import parse as parse_options
-from overmind.server.pool import WarmPool, LoadFailure, RunRefused, context_from_wire, run_from_wire
+from overmind.server.pool import WarmPool, LoadFailure, context_from_wire, run_from_wire
 from overmind.server.programs import ProgramHistory
 from overmind.server.registry import Registry
 from overmind.server.restore import Restore
 from overmind.server.settle import Settler
 from overmind.server.state import StateKeeper
+from overmind.server.warm_process import RunRefused
 from overmind.shared.packages import packages_from_wire
 from overmind.shared.contexts import environment_from_wire
 
@@ -62,8 +63,8 @@ MAX_REQUEST_BLOB = 64 << 20
 # started, must be complete within FRAME_TIMEOUT and its blob is allocated as its bytes
 # arrive; a connection idle for IDLE_TIMEOUT is closed (clients reconnect transparently);
 # request fields are bounded (keys, descriptions, lists); loads in flight are capped by the
-# registry, and remembered failures are few and short (Note [Only deterministic failures are
-# remembered] in overmind.server.registry).
+# fills' table, and remembered failures are few and short (Note [Only deterministic failures are
+# remembered] in overmind.server.fills).
 MAX_CONNECTIONS = 256
 HANDSHAKE_TIMEOUT = 5.0
 FRAME_TIMEOUT = 30.0
@@ -133,7 +134,7 @@ class Server:
         self._bind()
         write_runtime_file(self.config.pid_path, f"{os.getpid()}\n")
         # Only now, holding the instance lock: one server per runtime directory, so one writer per state file.
-        state = self.state.open(ColdLoads.check_request, context_from_wire, ColdLoads.check_modules)
+        state = self.state.open(check_request, context_from_wire, check_modules)
         threading.Thread(target=self.state.run, args=(self.stopping,), daemon=True, name="overmind-state").start()
         threading.Thread(target=self.settler.run, daemon=True, name="overmind-settle").start()
         threading.Thread(target=self.pool.watch_notices, args=(self.stopping,), daemon=True,
@@ -322,7 +323,7 @@ class Server:
         elif isinstance(message, P.Prepare):
             try:
                 context, _, _ = context_from_wire(message.context)
-                modules = ColdLoads.check_modules(message.modules)
+                modules = check_modules(message.modules)
                 env = environment_from_wire(message.env) if message.env else None
             except LoadFailure as failure:
                 return reply_error(conn, failure.code, failure.message)
@@ -371,8 +372,8 @@ class Server:
         info["bytes"] = info["used"] = self.registry.used()
         info["loaders"] = self.pool.describe()
         info["warm_retired"] = self.pool.retired
-        info["settling"] = self.pool.settling()  # Note [Huge pages for segments] in overmind.shared.memfd
-        info.update(self.loads.counters())  # Note [Joining a fill] in overmind.server.cold_loads
+        info["settling"] = self.loads.settling()  # Note [Huge pages for segments] in overmind.shared.memfd
+        info.update(self.loads.counters())  # Note [Joining a fill] in overmind.server.fills
         info["file_segments"] = {"bytes": self.registry.file_bytes(), "settled": self.settler.settled,  # Note [Settling file segments]
                                  "settled_bytes": self.settler.settled_bytes, "copying": self.settler.copying}
         info["restore"] = self.restore.describe()  # Note [Restore after a restart] in overmind.server.restore

@@ -72,7 +72,7 @@ class Lessons:
             del known[:-MAX_PACKAGES]
 
     def remember(self, interpreter) -> None:
-        """A retiring interpreter's lessons (an ``overmind.server.pool.WarmProcess``)."""
+        """A retiring interpreter's lessons (an ``overmind.server.warm_process.WarmProcess``)."""
         with self.lock:
             known = self.learned.setdefault(interpreter.context.lineage, [])
             for name in [*interpreter.imported, *interpreter.learned]:

@@ -1,14 +1,16 @@
 """Server side of warm interpreters: one per client context, for loads and runs. Standard library only.
 
     pool = WarmPool(config)
-    result, skeleton, fds = pool.load(key, context, cwd, sys_path, blob)   # a cold load
-    pid = pool.fork_run(context, spec, [stdin, stdout, stderr, conn])      # overmind run
+    job, pid = pool.start_loader(key, context, cwd, sys_path, blob)   # a fill's loader
+    pid = pool.fork_run(context, spec, [stdin, stdout, stderr, conn])  # overmind run
 
 A *context* is the interpreter and the environment that can change an import. For each
 the server keeps a warm interpreter (``overmind.warm.interpreter``) that imported torch
 and the installed modules the context's earlier loads and runs imported, and forks one
 child per cold load (``overmind.warm.loader``) or run (``overmind.warm.child``). A cold load thus
-pays neither interpreter start-up nor library imports, and a run starts in a fork. The
+pays neither interpreter start-up nor library imports, and a run starts in a fork. Each
+interpreter is a ``WarmProcess`` (overmind.server.warm_process); the fill a loader serves,
+and all said on its job socket, are overmind.server.fills's and overmind.server.cold_loads's. The
 pool is bounded in count (``OVERMIND_WARM_MAX``), memory (``OVERMIND_WARM_MEMORY``, PSS)
 and idle time (``OVERMIND_WARM_IDLE``); retiring an interpreter never kills a load or run
 in progress (Note [Retiring never kills work] in overmind.warm.interpreter).
@@ -22,34 +24,26 @@ imports torch at all.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import select
-import signal
 import socket
-import subprocess
 import threading
 import time
 import weakref
 from collections import OrderedDict
 
 from overmind.shared import protocol as P
-from overmind.shared.config import Config, open_runtime_file
+from overmind.shared.config import Config
 from overmind.shared.contexts import Context, RunSpec, load_context_from_wire
-from overmind.server.fill_priority import Fill, FillPriorities
-from overmind.shared.priority import can_lift_idle, every_thread, to_normal
-from overmind.shared.import_env import reads_from_wire
 from overmind.server.lessons import Lessons
+from overmind.server.warm_process import RunRefused, WarmProcess
 
 logger = logging.getLogger("overmind.server.loaders")
 
-__all__ = ["Context", "Fill", "WarmPool", "LoadFailure", "RunRefused", "context_from_wire", "run_from_wire"]
+__all__ = ["WarmPool", "LoadFailure", "context_from_wire", "run_from_wire"]
 
-READY_TIMEOUT = 300.0
 MAX_CANNOT_FORK = 3  # interpreters of a lineage retired in a row as unable to fork, before its runs go plain
 NOTICE_POLL = 0.25  # seconds between looks for an interpreter's Unforkable (WarmPool.watch_notices)
-FORK_TIMEOUT = 30.0  # a Fork waits at most for one learned module's import (Note [Warm interpreters learn])
 
 
 class LoadFailure(Exception):
@@ -76,209 +70,15 @@ def run_from_wire(context: object, spec: object) -> tuple[Context, RunSpec]:
         raise LoadFailure(P.ErrorCode.BAD_REQUEST, str(err)) from None
 
 
-class RunRefused(Exception):
-    """No warm run now; the front end runs plainly (Note [Never worse than plain python] in overmind.frontend.run)."""
-
-
-class WarmProcess:
-    """One warm interpreter for a context (overmind.warm.interpreter); forks a child per load or run."""
-
-    def __init__(self, context: Context, config: Config, modules: list, refused: list = (), on_reads=None,
-                 packages: list = (), env: dict | None = None) -> None:
-        self.context = context
-        self.on_reads = on_reads  # called with (context, names, prefixes) its imports read
-        # The environment its imports see: the context's, or a run's whole environment (Note [A run's
-        # interpreter imports under the run's environment] in WarmPool), never another process's settings.
-        self.start_env = {**{k: v for k, v in (env or {}).items() if not k.startswith("OVERMIND_")},
-                          **dict(context.env)}
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(self.start_env)
-        env["OVERMIND_DISABLE"] = "1"  # a warm interpreter calls originals; it never patches
-        env["OVERMIND_RUNTIME_DIR"] = str(config.runtime_dir)
-        code = f"from overmind.warm.interpreter import interpreter_main; interpreter_main({theirs.fileno()})"
-        log = os.fdopen(open_runtime_file(config.log_path, os.O_WRONLY | os.O_APPEND), "ab")
-        try:
-            self.proc = subprocess.Popen(
-                [context.python, "-c", code], cwd="/", env=env, pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-            )
-        finally:
-            log.close()
-            theirs.close()
-        self.sock = ours
-        self.sock.settimeout(READY_TIMEOUT)
-        try:
-            P.send_message(self.sock, P.Warm(list(modules), refused=list(refused), packages=list(packages)))
-        except OSError:  # it exited at once: the first job hears EOF and reports how it ended (exit_note)
-            pass
-        self.lock = threading.Lock()
-        self.ready = False
-        self.retired = False
-        self.imported: list = []
-        self.refused: list = []  # modules that started a thread in it (Note [Threads libraries start])
-        self.unforkable = ""  # why it cannot fork, when it said so while starting a load (Note [A fill never waits for a fork])
-        self.learned: list = []  # what its runs imported beyond its pre-imports
-        self.modules = 0
-        self.jobs = 0
-        self.runs = 0
-        self.started = time.time()
-        self.last_used = time.time()
-        logger.info("started warm interpreter pid %d for context %s (%s, %d modules to import)", self.proc.pid,
-                    context.key, context.python, len(modules))
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def exit_note(self, wait: float = 1.0) -> str:
-        """How its process ended, for an error message ("" while it runs)."""
-        try:
-            code = self.proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            return ""
-        how = f"exit status {code}" if code >= 0 else f"signal {-code}"
-        return f"{self.context.python} (pid {self.proc.pid}) ended with {how} before it was ready"
-
-    def _wait_ready(self) -> None:
-        self.sock.settimeout(READY_TIMEOUT)
-        message, _, fds = P.recv_message(self.sock, max_blob=0)
-        P.close_fds(fds)
-        ready = P.expect(message, P.LoaderReady, "from a warm interpreter")
-        self._heard(ready.environ)
-        self.imported = list(ready.imported)
-        self.refused = list(ready.refused)
-        self.ready = True
-        logger.info("warm interpreter %d ready (imported %d modules)", self.proc.pid, len(self.imported))
-
-    def _start(self, message: P.Message, blob: bytes, fds: list[int], timeout: float) -> P.JobStarted:
-        """Send a Job or Fork and read its JobStarted (or a RemoteError)."""
-        with self.lock:
-            if self.retired:
-                raise RunRefused("this warm interpreter is retiring")
-            if not self.ready:
-                self._wait_ready()
-            P.send_message(self.sock, message, blob, fds=fds)
-            if can_lift_idle():  # Note [Warming up yields the CPU] in overmind.warm.interpreter: never wait on a learned import
-                every_thread(self.proc.pid, to_normal)
-            self.sock.settimeout(timeout)
-            reply, _, got = P.recv_message(self.sock, max_blob=0)
-            P.close_fds(got)
-            while isinstance(reply, P.Unforkable):  # said before our message reached it: the answer follows
-                self._heard_unforkable(reply)
-                reply, _, got = P.recv_message(self.sock, max_blob=0)
-                P.close_fds(got)
-            if isinstance(reply, (P.JobFailed, P.JobStarted)):
-                self._heard(reply.environ)
-            if isinstance(reply, P.JobFailed):
-                self.refused = sorted(set(self.refused) | {n for n in reply.refused if isinstance(n, str)})
-                raise P.RemoteError(reply.code, reply.message, reply.traceback)
-            started = P.expect(reply, P.JobStarted, "from a warm interpreter")
-            if started.unforkable:  # its load runs in a fresh interpreter; it is replaced
-                self.unforkable = str(started.unforkable)[:1000]
-                self.refused = sorted(set(self.refused) | {n for n in started.refused if isinstance(n, str)})
-            self.modules = started.modules
-            self.learned = list(started.learned)
-            self.last_used = time.time()
-            return started
-
-    def _heard_unforkable(self, notice: P.Unforkable) -> None:
-        self._heard(notice.environ)
-        self.unforkable = str(notice.why)[:1000] or "it said it cannot fork"
-        self.refused = sorted(set(self.refused) | {n for n in notice.refused if isinstance(n, str)})
-
-    def take_notice(self) -> bool:
-        """Whether it said, unasked, that it can fork no more (Note [A tainted interpreter says so at
-        once] in overmind.warm.interpreter); never waits. The caller holds ``self.lock``."""
-        if self.unforkable:
-            return True
-        if not self.ready or self.retired:
-            return False
-        try:
-            if not select.select([self.sock], [], [], 0)[0]:
-                return False
-            self.sock.settimeout(READY_TIMEOUT)  # the rest of a message already begun
-            message, _, fds = P.recv_message(self.sock, max_blob=0)
-        except (OSError, EOFError, P.ProtocolError) as err:
-            self.unforkable = f"its control socket failed: {err}"
-            return True
-        P.close_fds(fds)
-        if not isinstance(message, P.Unforkable):
-            self.unforkable = f"it sent {type(message).__name__} unasked"
-            return True
-        self._heard_unforkable(message)
-        return True
-
-    def _heard(self, environ) -> None:
-        names, prefixes = reads_from_wire(environ)  # untrusted: validated, bounded
-        if (names or prefixes) and self.on_reads is not None:
-            self.on_reads(self.context, names, prefixes)
-
-    def start_job(self, key: str, blob: bytes, modules: list, sys_path: list, cwd: str
-                  ) -> tuple[socket.socket, int]:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            # READY_TIMEOUT: the interpreter may import the job's modules first
-            started = self._start(P.Job(key, sys_path, cwd=cwd, modules=modules), blob, [theirs.fileno()],
-                                  READY_TIMEOUT)
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self.jobs += 1
-        return ours, started.pid
-
-    def fork_run(self, spec: RunSpec, fds: list[int]) -> int:
-        started = self._start(P.Fork(spec.to_wire()), b"", fds, FORK_TIMEOUT)
-        self.runs += 1
-        return started.pid
-
-    def pss(self) -> int:
-        """Proportional set size in bytes (its share of pages shared with its children), 0 if unknown."""
-        try:
-            with open(f"/proc/{self.proc.pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            pass
-        return 0
-
-    def retire(self) -> None:
-        """Note [Retiring never kills work] in overmind.warm.interpreter: no new forks; it exits when its
-        loads and runs are done. Reaped in the background."""
-        with self.lock:
-            if self.retired:
-                return
-            self.retired = True
-            try:
-                self.sock.settimeout(1.0)
-                P.send_message(self.sock, P.Retire())
-            except OSError:
-                pass
-            self.sock.close()
-        threading.Thread(target=self.proc.wait, daemon=True, name="overmind-reap").start()
-
-    def kill(self) -> None:
-        """Only for one that never became ready: nothing of the user's can be running in it."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.retire()
-
-
 class WarmPool:
     """The warm interpreters, one per context, bounded in count, memory and idle time."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.lock = threading.Lock()
-        self._fills = FillPriorities(config)  # Note [Cold fills yield to their caller] in overmind.server.fill_priority
         self.interpreters: "OrderedDict[str, WarmProcess]" = OrderedDict()
         self.lessons = Lessons()  # what each lineage learned (overmind.server.lessons)
         self.retired = 0
-        self._settling = _Settling()
         self._cannot_fork: dict[str, int] = {}  # lineage -> interpreters retired as unable to fork
         self._counted_unforkable: "weakref.WeakSet[WarmProcess]" = weakref.WeakSet()
 
@@ -373,15 +173,11 @@ class WarmPool:
         except Exception as err:  # a later load retries and reports properly
             logger.warning("preparing a warm interpreter for context %s failed: %s", context.key, err)
 
-    def load(self, key: str, context: Context, cwd: str, sys_path: list, blob: bytes, modules: list = (),
-            fill: Fill | None = None, references: list = (), contents: dict | None = None
-            ) -> tuple[P.JobResult, bytes, list[int]]:
-        """Run one load; returns (result, skeleton, segment fds) or raises LoadFailure. ``fill``
-        (from ``begin_fill``) sets its priority (Note [Cold fills yield to their caller] in
-        overmind.server.fill_priority). ``references``: (registry Reply, segment fds) of the entries
-        the call refers to, and ``contents`` the content index, handed to the loader (Note [The
-        loader is handed its references] in overmind.server.cold_loads); the fds stay the caller's."""
-        fill = fill or Fill(key, background=False)
+    def start_loader(self, key: str, context: Context, cwd: str, sys_path: list, blob: bytes, modules: list = ()
+                     ) -> tuple[socket.socket, int]:
+        """Fork the loader of one fill (the load of ``key``) from the context's warm interpreter,
+        started if need be: (its job socket, its pid), or LoadFailure. What is said on the job
+        socket is overmind.server.cold_loads's (Note [The loader is handed its references])."""
         for attempt in (1, 2):
             try:
                 interpreter = self._interpreter(context)
@@ -406,88 +202,7 @@ class WarmPool:
                     raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
                                       f"could not start a loader: {ended or f'{context.python}: {err}'}; "
                                       f"see {self.config.log_path}") from None
-        self._fills.forked(fill, pid)
-        answered = False
-        try:
-            deadline = time.monotonic() + self.config.loader_timeout
-            try:
-                job.settimeout(self.config.loader_timeout)  # a loader that stops reading is killed below
-                for reply, fds in references:
-                    P.send_message(job, P.Entry(reply.key, os.getpid(), reply.handles, reply.nbytes, True, reply.meta.to_dict()),
-                                   reply.skeleton, fds=fds)
-                index = {**(contents or {"keys": [], "handles": [], "regions": []}), "server_pid": os.getpid()}
-                P.send_message(job, P.Contents(len(index["regions"])), json.dumps(index).encode())
-                P.send_message(job, P.Ok())
-                while True:
-                    self._fills.wait_answer(job, fill, deadline)
-                    job.settimeout(max(deadline - time.monotonic(), 0.001))
-                    message, skeleton, fds = P.recv_message(job)
-                    if not isinstance(message, P.FillProgress):
-                        break
-                    if fds or message.key != key or not 0 <= message.written <= 1 << 50 or \
-                            not 0 <= message.expected <= 1 << 50 or not 0 <= message.original_seconds < 1e6:
-                        P.close_fds(fds)
-                        raise P.ProtocolError(f"malformed progress report {message!r}")
-                    self._fills.progress(fill, message.written, message.expected, message.original_seconds)
-            except socket.timeout:
-                _kill(pid)
-                raise LoadFailure(P.ErrorCode.LOADER_TIMEOUT,
-                                  f"loader pid {pid} exceeded OVERMIND_LOADER_TIMEOUT={self.config.loader_timeout:g}s "
-                                  "and was killed") from None
-            except (EOFError, P.ProtocolError, ConnectionResetError, BrokenPipeError) as err:
-                _kill(pid)
-                raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
-                                  f"loader pid {pid} died before answering ({err}); a crash or a kill "
-                                  f"(out of memory?); see {self.config.log_path}") from None
-            if isinstance(message, P.JobResult):
-                answered = True
-                self._settling.add(job, pid, self.config.loader_timeout)
-        finally:
-            if not answered:
-                job.close()
-        if isinstance(message, P.JobFailed):
-            P.close_fds(fds)
-            raise LoadFailure(message.code, message.message, message.traceback)
-        if not isinstance(message, P.JobResult) or len(fds) != len(message.sizes) or \
-                len(message.slots) != len(fds) or not all(0 <= s < message.nslots for s in message.slots):
-            P.close_fds(fds)
-            raise LoadFailure(P.ErrorCode.INTERNAL, f"malformed answer from loader pid {pid}")
-        return message, skeleton, fds
-
-    # Its fills, as cold loads ask for them: Note [Cold fills yield to their caller] in
-    # overmind.server.fill_priority, Note [Joining a fill] in overmind.server.cold_loads.
-
-    def begin_fill(self, key: str, background: bool, caller: int) -> Fill:
-        return self._fills.begin(key, background, caller)
-
-    def end_fill(self, fill: Fill) -> None:
-        self._fills.end(fill)
-
-    def after_caller(self, fill: Fill) -> None:
-        """Until the caller that missed is done with its own load: Note [Cold fills wait for their caller]."""
-        self._fills.after_caller(fill)
-
-    def caller_loaded(self, key: str) -> None:
-        self._fills.caller_loaded(key)
-
-    def fill_remaining(self, key: str) -> tuple[float, Fill] | None:
-        return self._fills.remaining(key)
-
-    def lend_to_fill(self, key: str, waiter: int):
-        """A block in which process ``waiter`` waits for the fill of ``key``: it runs at normal priority."""
-        return self._fills.waiting(key, waiter)
-
-    def fill_depends(self, fill: Fill, key: str):
-        """A block in which ``fill`` waits for the fill of ``key``, an entry its call refers to."""
-        return self._fills.depends(fill, key)
-
-    def filling_besides(self, key: str) -> bool:
-        """Is a fill other than ``key``'s in flight? (A restore lets clients' fills go first.)"""
-        return self._fills.in_flight_besides(key)
-
-    def settling(self) -> int:
-        """Loaders that answered and still rebuild their segments (``_Settling``)."""
-        return self._settling.count
+        return job, pid
 
     def _rekey(self, lineage: str) -> None:
         """Note [A run's interpreter imports under the run's environment]."""
@@ -665,38 +380,3 @@ def _filed_by_own_values(interpreters: "OrderedDict[str, WarmProcess]", lineage:
             interpreter = stays
         kept[key] = interpreter
     return kept, extra
-
-
-class _Settling:
-    """A loader that answered may still rebuild its segments out of huge pages (Note [Huge
-    pages for segments] in overmind.shared.memfd); it counts here until it exits (EOF on its
-    job socket), so a benchmark can wait for the machine to be quiet (``settling`` in the status)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.count = 0
-
-    def add(self, job: socket.socket, pid: int, timeout: float) -> None:
-        with self.lock:
-            self.count += 1
-
-        def wait_for_exit() -> None:
-            try:
-                job.settimeout(timeout)
-                while job.recv(4096):
-                    pass  # a loader sends nothing more; whatever comes is dropped
-            except OSError:
-                pass
-            finally:
-                job.close()
-                with self.lock:
-                    self.count -= 1
-
-        threading.Thread(target=wait_for_exit, daemon=True, name=f"overmind-settle-{pid}").start()
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

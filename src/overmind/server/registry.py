@@ -4,6 +4,8 @@
     evicted = registry.add(entry)        # least recently used entries go first
     registry.get(key)                    # counts a hit
 
+Loads in flight (single flight) and the failures they leave are overmind.server.fills's.
+
 Note [Memory is counted per segment]
 An entry's slots are fds of sealed memfds; the same segment can sit in several entries
 (an entry that references another's storages holds ``dup``\\ s of its fds). Memory is
@@ -20,17 +22,6 @@ holds the segment, with that entry's segment handles, so a loader can open the s
 through ``/proc/<server>/fd`` and check it is that file. The index is built per cold load
 from the entries themselves and handed to its loader with the job: nothing to keep
 consistent on eviction (a segment evicted meanwhile cannot be opened: its bytes are copied).
-
-Note [Only deterministic failures are remembered]
-A load whose original loader raised will raise again: it is remembered for
-``FAILURE_TTL`` seconds, so later calls load plainly at once instead of paying a loader
-each. So is a result that cannot be rebuilt (Note [Results that cannot be rebuilt] in
-overmind.shared.quirks): the same call gives the same model, and no loader runs it again while
-remembered. A loader that *died* (the OOM killer, a signal, a timeout) says nothing about the
-next try, so the key is tried again; only after ``MAX_DEATHS`` deaths in a row is it
-remembered like a raise. At most ``MAX_FAILURES`` failures are kept (oldest dropped) with
-their text cut to ``MAX_REMEMBERED_TEXT``: a client sending unique failing keys costs the
-server bounded memory.
 """
 
 from __future__ import annotations
@@ -39,7 +30,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -49,8 +39,7 @@ from overmind.shared.memfd import is_sealed_memfd
 
 logger = logging.getLogger("overmind.server.registry")
 
-__all__ = ["CacheEntry", "Registry", "Flight", "Reply", "Admission", "TooLarge", "default_budget", "files_unchanged",
-           "FAILURE_TTL", "MAX_FAILURES"]
+__all__ = ["CacheEntry", "Registry", "Reply", "TooLarge", "default_budget", "files_unchanged"]
 
 
 class TooLarge(Exception):
@@ -62,30 +51,6 @@ DEFAULT_BUDGET_SHARE = 0.5  # of RAM: room for the models, and for the processes
 
 def default_budget() -> int:
     return int(memory_total() * DEFAULT_BUDGET_SHARE)
-
-
-# Failures remembered at once (Note [Only deterministic failures are remembered]).
-MAX_FAILURES = 256
-FAILURE_TTL = 600.0
-MAX_REMEMBERED_TEXT = 16 << 10  # bytes of a failure's message and traceback kept
-# Loader deaths in a row after which a key is remembered as failing like a raise.
-MAX_DEATHS = 3
-
-
-class Flight:
-    """One load in progress; requests for the same key wait on it (single flight)."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.entry: Optional[CacheEntry] = None
-        self.error = None  # an overmind.shared.protocol.Error once it failed
-
-
-@dataclass
-class Failure:
-    error: object  # overmind.shared.protocol.Error
-    when: float
-    deaths: int = 0  # loader deaths in a row; remembered only from MAX_DEATHS on
 
 
 @dataclass
@@ -170,32 +135,17 @@ class Reply:
     skeleton: bytes
 
 
-@dataclass
-class Admission:
-    """What :meth:`Registry.begin` decided for a request."""
-
-    reply: Optional[Reply] = None  # a hit
-    flight: Optional[Flight] = None  # a load in progress (``started``: this request must run it)
-    started: bool = False
-    failure: object = None  # overmind.shared.protocol.Error of a remembered failure
-    busy: bool = False  # too many loads in flight: nothing started, nothing remembered
-
-
 class Registry:
-    """Entries by key, LRU under a memory budget, single flight and remembered failures.
+    """Entries by key, LRU under a memory budget.
 
     Owns every piece of entry state; its lock is its own (no caller takes it).
     """
 
-    def __init__(self, budget: Optional[int] = None, max_flights: int = 64) -> None:
+    def __init__(self, budget: Optional[int] = None) -> None:
         self._lock = threading.Lock()
         self.budget = budget if budget is not None else default_budget()
-        self.max_flights = max_flights
         self._entries: dict[str, CacheEntry] = {}
-        self._flights: dict[str, Flight] = {}
-        self._failures: "OrderedDict[str, Failure]" = OrderedDict()
         self.hits = 0
-        self.misses = 0
         self.evictions = 0
         self.stale = 0  # hits refused because a file the entry was loaded from changed
 
@@ -220,8 +170,10 @@ class Registry:
         entry.close()
         return None
 
-    def _hit(self, entry: CacheEntry, count: bool = True) -> Optional[Reply]:
-        """Count a hit and copy what the reply needs; None if ``entry`` left the registry."""
+    def hit(self, entry: CacheEntry, count: bool = True) -> Optional[Reply]:
+        """Count a hit (``count``) and copy what the reply needs; None if ``entry`` left the
+        registry (evicted already). A request that waited for another's fill counts as a hit,
+        so hits + misses (overmind.server.fills) = requests."""
         with self._lock:
             if self._entries.get(entry.key) is not entry:
                 return None
@@ -231,16 +183,22 @@ class Registry:
             entry.last_used = time.time()
             return Reply(entry.key, entry.handles(), entry.nbytes, entry.meta, entry.skeleton)
 
-    def get(self, key: str) -> Optional[Reply]:
-        """A hit for ``key``, or None (Note [Observed files] in overmind.warm.loader)."""
+    def get(self, key: str, count: bool = True) -> Optional[Reply]:
+        """A hit for ``key``, or None (Note [Observed files] in overmind.warm.loader). ``count``:
+        False for a restore's refill (overmind.server.restore), which is no client's hit."""
         entry = self._fresh_entry(key)
-        return None if entry is None else self._hit(entry)
+        return None if entry is None else self.hit(entry, count)
+
+    def entry(self, key: str) -> Optional[CacheEntry]:
+        """``key``'s entry as it is, its files not checked (one a fill filed a moment ago)."""
+        with self._lock:
+            return self._entries.get(key)
 
     def peek(self, key: str) -> Optional[list]:
         """The segment handles of ``key``'s fresh entry, counting no hit (Note [Prefetch] in
         overmind.client.prefetch: what a program is about to load)."""
         entry = self._fresh_entry(key)
-        reply = None if entry is None else self._hit(entry, count=False)
+        reply = None if entry is None else self.hit(entry, count=False)
         return None if reply is None else reply.handles
 
     def pinned(self, key: str) -> Optional[tuple[Reply, list[int]]]:
@@ -258,63 +216,6 @@ class Registry:
             entry.last_used = time.time()
             reply = Reply(entry.key, entry.handles(), entry.nbytes, entry.meta, entry.skeleton)
             return reply, [os.dup(slot[0]) for slot in entry.slots if slot is not None]
-
-    def begin(self, key: str, lookup_only: bool = False, count: bool = True) -> Admission:
-        """A hit, the flight to wait for (started by this request or another), or a remembered failure.
-
-        Past ``max_flights`` loads waiting or running, a new key starts nothing and is answered
-        as a failure that is not remembered: the caller loads plainly. ``count``: False for a
-        restore's refill (overmind.server.restore), which is no client's hit or miss.
-        """
-        entry = self._fresh_entry(key)
-        reply = None if entry is None else self._hit(entry, count)
-        if reply is not None:
-            return Admission(reply=reply)
-        with self._lock:
-            entry = self._entries.get(key)  # a load finished since get()
-            if entry is None:
-                flight = self._flights.get(key)
-                if flight is not None:
-                    return Admission(flight=flight)
-                failure = self._failures.get(key)
-                if failure is not None and time.monotonic() - failure.when > FAILURE_TTL:
-                    del self._failures[key]
-                    failure = None
-                if failure is not None and failure.deaths in (0, MAX_DEATHS):
-                    return Admission(failure=failure.error)
-                if lookup_only:
-                    return Admission()
-                if len(self._flights) >= self.max_flights:
-                    return Admission(busy=True)
-                flight = self._flights[key] = Flight()
-                self.misses += count
-                return Admission(flight=flight, started=True)
-        reply = self._hit(entry, count)
-        return Admission(reply=reply) if reply is not None else self.begin(key, lookup_only, count)
-
-    def finish(self, key: str, flight: Flight, *, remember: bool) -> None:
-        """End ``flight``: wake its waiters; remember its failure per
-        Note [Only deterministic failures are remembered]."""
-        with self._lock:
-            self._flights.pop(key, None)
-            if flight.error is None:
-                self._failures.pop(key, None)
-            else:
-                previous = self._failures.pop(key, None)
-                deaths = 0 if remember else min(MAX_DEATHS, (previous.deaths if previous else 0) + 1)
-                self._failures[key] = Failure(_trimmed(flight.error), time.monotonic(), deaths)
-                while len(self._failures) > MAX_FAILURES:
-                    self._failures.popitem(last=False)
-        flight.done.set()
-
-    def served_by_flight(self, flight: Flight, count: bool) -> Optional[Reply]:
-        """The reply for a request that waited for ``flight``; one that waited for another's load
-        counts as a hit (``count``), so hits + misses = requests. None if evicted already."""
-        return None if flight.entry is None else self._hit(flight.entry, count)
-
-    def remembered_failures(self) -> int:
-        with self._lock:
-            return len(self._failures)
 
     def segment_fds(self, key: str) -> Optional[tuple[list[int], list[int]]]:
         """(sizes, fds) of ``key``'s live segments; the fds are duplicates the caller must close,
@@ -437,9 +338,8 @@ class Registry:
 
     def counters(self) -> dict:
         with self._lock:
-            return {"entries": len(self._entries), "hits": self.hits, "misses": self.misses,
-                    "evictions": self.evictions, "stale_misses": self.stale, "budget": self.budget,
-                    "loading": len(self._flights), "remembered_failures": len(self._failures)}
+            return {"entries": len(self._entries), "hits": self.hits, "evictions": self.evictions,
+                    "stale_misses": self.stale, "budget": self.budget}
 
     def content_index(self) -> dict:
         """Regions of live segments by content, for loaders: Note [Content index]."""
@@ -479,7 +379,3 @@ class Registry:
                 })
             return out
 
-
-def _trimmed(error):
-    """A failure as remembered: its text bounded (Note [Only deterministic failures are remembered])."""
-    return type(error)(error.code, error.message[:MAX_REMEMBERED_TEXT], error.traceback[-MAX_REMEMBERED_TEXT:])

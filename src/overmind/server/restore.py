@@ -18,7 +18,7 @@ interpreter, at idle CPU priority, through every check a client's request goes t
 Clients go first: a refill starts only when no client's fill is in flight (for at most
 CLIENT_FIRST seconds), runs at SCHED_IDLE, and takes one load slot of ``OVERMIND_WORKERS`` at
 a time. A client asking for an entry being refilled joins it as it would join any fill (the
-last plain load time is kept too: Note [Joining a fill] in overmind.server.cold_loads); one asking
+last plain load time is kept too: Note [Joining a fill] in overmind.server.fills); one asking
 for an entry not refilled yet loads it as a miss, and the restore then finds it cached.
 
 Note [Never stale]
@@ -229,7 +229,7 @@ class Restore:
         """Note [Restore after a restart]: wait while a client's fill is in flight."""
         deadline = time.monotonic() + CLIENT_FIRST
         while time.monotonic() < deadline and not self.stopping.is_set():
-            if not self.pool.filling_besides(key):
+            if not self.loads.fills.in_flight_besides(key):
                 return
             time.sleep(POLL)
 
@@ -245,14 +245,14 @@ class Restore:
             return "failed"
         if admission.reply is not None:
             return "done"  # a client loaded it meanwhile
-        if admission.flight is None:
+        if admission.fill is None:
             why = admission.failure.message if admission.failure is not None else "the server is busy"
             logger.info("not restoring %s: %s", request.key[:16], why)
             return "failed"
-        while not admission.flight.done.wait(POLL):
+        while not admission.fill.done.wait(POLL):
             if self.stopping.is_set():
                 return "failed"
-        cached = admission.flight.entry
+        cached = admission.fill.entry
         if cached is None:
             return "failed"  # the fill said why in the log
         if cached.meta.files != entry["files"]:  # Note [Never stale]

@@ -41,7 +41,7 @@ refused when another uid owns it or others can write it, never a symlink) and th
 through a file descriptor opened with ``O_NOFOLLOW``: a directory swapped for a link after
 the check is never followed. The file must be a regular file of ours that others cannot
 write, at most MAX_STATE_BYTES. Its content is checked item by item exactly as a client's
-request is (``Load.from_fields``, ``ColdLoads._check_load``, ``context_from_wire``,
+request is (``Load.from_fields``, ``cold_loads.check_request``, ``context_from_wire``,
 ``check_modules``, ``reads_from_wire``): the file can ask for nothing a client of this uid
 could not ask itself, and an item that fails is dropped. A file that cannot be read, is not
 JSON, or has another format or version is ignored with one warning and replaced at the next save.
@@ -516,5 +516,5 @@ class StateKeeper:
 
 
 def _lineage(context: dict) -> str:
-    """The lineage key (overmind.server.pool.Context.key) of a context as kept in the file."""
+    """The lineage key (overmind.shared.contexts.Context.key) of a context as kept in the file."""
     return Context(context["python"], tuple(sorted(context["env"].items()))).key

@@ -73,7 +73,7 @@ model *file* as the segment of such storages (``overmind.warm.file_backed``), at
 storage's offset in the file, instead of copying its bytes into a new memfd. The entry
 costs no fresh memory and is ready as soon as the loader has loaded: on this machine,
 a guest whose fresh memory fills at 0.4 GB/s, copying 3.58 GB took 9 core-seconds, longer
-than the run that started it (Note [Joining a fill] in ``overmind.server.cold_loads``).
+than the run that started it (Note [Joining a fill] in ``overmind.server.fills``).
 What this gives up, and how it is held:
 
 - A file is not sealed. Its entry's key holds the file's fingerprint (size, mtime, ctime,

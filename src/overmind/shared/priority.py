@@ -1,6 +1,6 @@
 """CPU scheduling of a process and its threads, for the server (which lowers and lifts its fills)
 and for a loader (which lowers itself): Note [Cold fills yield to their caller] in
-overmind.server.fill_priority. Standard library only::
+overmind.server.fills. Standard library only::
 
     every_thread(loader_pid, to_idle)      # SCHED_IDLE, thread by thread
     if can_lift_idle():

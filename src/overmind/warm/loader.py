@@ -69,7 +69,7 @@ class _Progress:
 
     Note [Progress of a pack]
     A caller that finds its key filling decides between waiting and loading plainly on how
-    long the fill should still take (Note [Joining a fill] in overmind.server.cold_loads). The loader
+    long the fill should still take (Note [Joining a fill] in overmind.server.fills). The loader
     knows: before packing it counts the bytes of the result's storages (those of the
     arguments handed back unchanged left out: they are not packed again), then reports the
     bytes in place every PROGRESS_INTERVAL seconds, counted by the fill threads as each

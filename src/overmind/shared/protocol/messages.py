@@ -58,7 +58,7 @@ class Load(Message):
 @message
 class PlainLoaded(Message):
     """A client that got ``Pending`` ran the original itself, in ``seconds``; no answer. The
-    server weighs a later caller's wait for the fill against it (Note [Joining a fill] in overmind.server.cold_loads)."""
+    server weighs a later caller's wait for the fill against it (Note [Joining a fill] in overmind.server.fills)."""
 
     TYPE: ClassVar[int] = 17
     key: str
@@ -212,7 +212,7 @@ class Run(Message):
     connection to the warm interpreter, which answers RunStarted and, at the end, RunExited."""
 
     TYPE: ClassVar[int] = 30
-    context: dict  # python, env: which warm interpreter (overmind.server.pool.Context)
+    context: dict  # python, env: which warm interpreter (overmind.shared.contexts.Context)
     spec: dict  # mode, target, argv, cwd, env, umask: what the child becomes (overmind.warm.child.become)
 
 
@@ -353,7 +353,7 @@ class LoadMeta(Message):
 @message
 class FillProgress(Message):
     """A loader packing its result says how far it is, now and then, before its answer
-    (Note [Joining a fill] in overmind.server.cold_loads): bytes in place and the bytes it expects."""
+    (Note [Joining a fill] in overmind.server.fills): bytes in place and the bytes it expects."""
 
     TYPE: ClassVar[int] = 48
     key: str

@@ -1,0 +1,486 @@
+"""Cache fills in flight: a miss's load, from the request that starts it to the entry it files.
+Server side, stdlib only.
+
+    fills = Fills(config, registry)            # one per server (owned by overmind.server.cold_loads.ColdLoads)
+    admission = fills.admit(key, background=True, caller=pid)   # a hit, a fill, a failure, or busy
+    fill = admission.fill                      # admission.started: this request runs it
+    fills.after_caller(fill)                   # waits while the caller's own load runs
+    fills.forked(fill, loader_pid)             # SCHED_IDLE for every thread of the loader
+    done = fills.wait(fill, waiter_pid, join)  # a waiter lends it normal priority
+    fills.finish(fill, remember=True)          # fill.entry or fill.error set: its waiters wake
+
+One ``Fill`` per key (single flight): its outcome, its loader's CPU priority and its progress.
+``Fills`` is the table of them, with who waits for which and the failures they left; the warm
+pool only forks the loader (``WarmPool.start_loader``), and overmind.server.cold_loads hands it
+its references and reads its answer.
+
+Note [Cold fills wait for their caller]
+On a miss nobody waits for (Note [Cold loads run behind the caller] in overmind.server.cold_loads)
+the caller loads plainly while a loader would fill the cache with the same work. Run at
+once, the fill shares the cores, the memory bandwidth and the page allocator with the
+caller: a cast to fp16 made the caller's load 2-3.5 x plain on 2 cores, and still 2 x with
+the fill at idle priority; started after the caller's load, 0.9 x. So a fill first waits
+(holding no load slot) until its caller says its own load of the key returned
+(``PlainLoaded``, ``Fill.caller_done``), or runs or waits for a CPU less than half the time
+for ``CALLER_QUIET`` polls (its load is over; a client that says nothing), or exits, or
+someone waits for the fill (``Fill.wanted``), or ``OVERMIND_FILL_YIELD`` seconds passed.
+Waiting for the caller's word rather than its quiet matters for the next run: a script that
+goes on computing, or only exits (1-2 s for a process holding torch), after its last load
+would otherwise hold its fills back until then, and its next run, started at once, would
+find them still running.
+
+Note [Cold fills yield to their caller]
+Once started, such a fill's loader runs under SCHED_IDLE, every thread of it (a ``Fill``):
+it gets only the CPU time nobody else wants, and the caller's load runs as without
+overmind. That priority is lent back (SCHED_OTHER) as soon as someone waits for the
+fill: a load that waits (``OVERMIND_COLD=wait``, strict mode) starts at normal priority,
+one that joins later lifts it, a fill that has not started yet (queued behind
+``OVERMIND_WORKERS`` yielding fills) lifts those that hold the slots, and a fill that waits
+for the fill of an entry its call refers to (a ``vae=vae`` argument) passes the lift on to
+it. A yielding fill that waits on another yielding fill lends nothing: neither is wanted
+yet. And after
+``OVERMIND_FILL_YIELD`` seconds a fill competes normally, so a machine that stays busy
+delays the cache but never starves it into the loader timeout. Only the loader child
+yields: the server, warm interpreters and runs keep their priority. Lifting SCHED_IDLE
+takes root, CAP_SYS_NICE or an RLIMIT_NICE of 20 (``LimitNICE=20`` in a systemd unit);
+without them the kernel would keep a fill idle for good, so it takes nice 10 instead,
+which it keeps: about a tenth of a contended core, never starved.
+
+Note [Idle only inside the interpreter's autogroup]
+Where the kernel groups processes by session (``CONFIG_SCHED_AUTOGROUP``,
+``/proc/sys/kernel/sched_autogroup_enabled`` 1, the default of most distributions), it first
+shares the CPU between the sessions' groups and only then between the threads of a group by
+their policy. A loader is in its warm interpreter's session (with that interpreter's learning
+and the runs it forks), so SCHED_IDLE makes a fill yield to those, but against a user's shell
+session the group competes as any other: beside two spinners pinned to the two CPUs, a
+SCHED_IDLE process of another session got 1.37 CPU-seconds in 2 s, one of the spinners' own
+session 0.05. Tried: each loader a session of its own whose autogroup is at nice 19 while it
+yields (0.12 CPU-seconds in 2 s). The fills then starved behind the interpreter's learning,
+and runs 2 to 5 of ``overmind run`` of the ControlNet script found the pipeline still filling
+and were slower for it, so that was taken back; OVERMIND_FILL_YIELD is the bound either way
+(tests/integration/test_cold_priority.py keeps every CPU busy).
+
+Note [Only deterministic failures are remembered]
+A load whose original loader raised will raise again: it is remembered for
+``FAILURE_TTL`` seconds, so later calls load plainly at once instead of paying a loader
+each. So is a result that cannot be rebuilt (Note [Results that cannot be rebuilt] in
+overmind.shared.quirks): the same call gives the same model, and no loader runs it again while
+remembered. A loader that *died* (the OOM killer, a signal, a timeout) says nothing about the
+next try, so the key is tried again; only after ``MAX_DEATHS`` deaths in a row is it
+remembered like a raise. At most ``MAX_FAILURES`` failures are kept (oldest dropped) with
+their text cut to ``MAX_REMEMBERED_TEXT``: a client sending unique failing keys costs the
+server bounded memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+from overmind.shared import protocol as P
+from overmind.shared.config import Config
+from overmind.shared.priority import can_lift_idle, every_thread, to_idle, to_normal
+from overmind.server.registry import CacheEntry, Registry, Reply
+
+logger = logging.getLogger("overmind.server.fills")
+
+__all__ = ["Fill", "Fills", "Admission", "MAX_FILLS", "FAILURE_TTL", "MAX_FAILURES", "MAX_DEATHS"]
+
+MAX_FILLS = 64  # fills in flight (waiting or running) past which a new key starts none: busy
+# Failures remembered at once (Note [Only deterministic failures are remembered]).
+MAX_FAILURES = 256
+FAILURE_TTL = 600.0
+MAX_REMEMBERED_TEXT = 16 << 10  # bytes of a failure's message and traceback kept
+MAX_DEATHS = 3  # loader deaths in a row after which a key is remembered as failing like a raise
+FILL_NICE = 10  # Note [Cold fills yield to their caller]: where SCHED_IDLE could not be lifted
+CALLER_POLL = 0.1  # seconds between two looks at the caller's CPU time
+CALLER_QUIET = 2  # polls in a row under half a core: its load is over
+
+# Note [Joining a fill]
+# A caller that finds its key filling (run 2 of a script, started while run 1's fill still
+# runs) either loads plainly or waits for the fill, lending it normal priority. It waits when
+# the fill should end sooner than a plain load would. A plain load's seconds: what the last
+# caller that loaded plainly reported (PlainLoaded), or what the loader's own call of the
+# original took if less. The first caller's figure includes the imports its load did
+# (transformers imports the model's module inside from_pretrained: 1.55 s for the LM's load
+# in a fresh process, 0.1-0.3 s in a loader or an `overmind run` child, which imported it
+# already); a hit pays those imports too, when it unpickles, so they are no reason to wait.
+# The loader, once it packs, reports the bytes in place and the bytes it expects every 0.1 s
+# (FillProgress, Note [Progress of a pack] in overmind.warm.loader), so the fill's remaining
+# seconds are the bytes left at its rate since the pack began (a rate at idle priority:
+# lifted, it goes faster). A fill still running the original, or one that
+# reports nothing (small, or a result whose bytes cannot be counted), is not joined: nothing
+# says it is close. The wait is bounded by the plain load's seconds: past them the caller loads
+# plainly after all, so a wrong guess costs at most one extra plain load's time, and a fill
+# nobody joins still ends within its own bounds.
+#
+# A fill that writes its result into memory the kernel must hand out fresh is slow where
+# fresh memory is (benchmarks/fresh_memory.py: a guest that reports free memory back to its
+# host fills it at 0.4 GB/s instead of 2.4 GB/s past the last 1.5-3.5 GB freed): the ControlNet
+# workload's pipeline took longer to fill than to load plainly, and runs that came sooner
+# loaded it plainly. Weights that are a model file's own pages are therefore not written at
+# all: the file is their segment (Note [File-backed segments] in overmind.shared.memfd), and
+# they are copied into sealed memory only when the server is idle (Note [Settling file
+# segments] in overmind.server.settle).
+
+
+class Fill:
+    """One cache fill in flight; requests for its key wait on it (single flight). Its loader's CPU
+    priority: Note [Cold fills yield to their caller]; its progress: Note [Joining a fill]."""
+
+    def __init__(self, key: str, background: bool, caller: int = 0) -> None:
+        self.key = key
+        # Its outcome, once ``done``: the entry it filed, or an overmind.shared.protocol.Error.
+        self.done = threading.Event()
+        self.entry: Optional[CacheEntry] = None
+        self.error = None
+        self.background = background  # nobody waits for it (yet): it may yield
+        self.caller = caller  # pid of the process whose miss started it (0: unknown)
+        self.wanted = threading.Event()  # someone waits for it: no more waiting for the caller
+        if not background:
+            self.wanted.set()
+        self.caller_done = threading.Event()  # the caller said its own load of the key returned
+        self.pid = 0  # its loader, once forked
+        self.forked_at = 0.0
+        self.idle = False  # under SCHED_IDLE now: a waiter lifts it
+        self.yielded_at = 0.0
+        # Its loader's progress reports (Note [Joining a fill]).
+        self.packing_since = 0.0  # when the pack began (its first report); 0: not yet
+        self.written = 0
+        self.expected = 0
+        self.original_seconds = 0.0  # what the loader's call of the original took
+
+
+@dataclass
+class Admission:
+    """What :meth:`Fills.admit` decided for a request."""
+
+    reply: Optional[Reply] = None  # a hit
+    fill: Optional[Fill] = None  # the fill in flight for the key (``started``: this request must run it)
+    started: bool = False
+    failure: object = None  # overmind.shared.protocol.Error of a remembered failure
+    busy: bool = False  # too many fills in flight: nothing started, nothing remembered
+
+
+@dataclass
+class _Failure:
+    error: object  # overmind.shared.protocol.Error
+    when: float
+    deaths: int = 0  # loader deaths in a row; remembered only from MAX_DEATHS on
+
+
+def _busy_seconds(pid: int) -> float | None:
+    """Seconds the threads of process ``pid`` have run or waited for a CPU (schedstat): a
+    caller starved by a busy machine still counts as busy. None once it is gone."""
+    total, found = 0, False
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                running, waiting = f.read().split()[:2]
+            total += int(running) + int(waiting)
+            found = True
+        except (OSError, ValueError):
+            continue  # that thread ended
+    return total / 1e9 if found else None
+
+
+def to_nice(tid: int) -> None:
+    os.setpriority(os.PRIO_PROCESS, tid, FILL_NICE)
+
+
+class Fills:
+    """The fills in flight by key, who waits for them, and the failures they left. Its lock is its
+    own; it takes the registry's inside it, never the other way round."""
+
+    def __init__(self, config: Config, registry: Registry, max_fills: int = MAX_FILLS) -> None:
+        self.config = config
+        self.registry = registry
+        self.max_fills = max_fills
+        self.lock = threading.Lock()
+        self.fills: dict[str, Fill] = {}  # key -> the fill in flight for it
+        self.waits: dict[str, str] = {}  # key of a fill waiting for another key's fill (a reference) -> that key
+        self.lenders: dict[str, int] = {}  # key -> processes waiting for it that lend it their priority
+        self.failures: "OrderedDict[str, _Failure]" = OrderedDict()
+        self.misses = 0
+        self.joined = 0  # callers that joined a fill: Note [Joining a fill]
+        self.can_lift_idle = can_lift_idle()
+
+    def counters(self) -> dict:
+        with self.lock:
+            return {"misses": self.misses, "loading": len(self.fills), "remembered_failures": len(self.failures),
+                    "joined": self.joined}
+
+    # -- admission and outcome ----------------------------------------------------------------
+
+    def admit(self, key: str, lookup_only: bool = False, count: bool = True, background: bool = False,
+              caller: int = 0) -> Admission:
+        """A hit, the fill to wait for (started by this request or another), or a remembered failure.
+
+        Past ``max_fills`` fills in flight, a new key starts nothing and is answered as a failure
+        that is not remembered: the caller loads plainly. A fill this request starts runs for
+        process ``caller`` (0: none); ``background``: nobody waits for it (Note [Cold fills yield
+        to their caller]). End it with ``finish``. ``count``: False for a restore's refill
+        (overmind.server.restore), which is no client's hit or miss.
+        """
+        reply = self.registry.get(key, count)
+        if reply is not None:
+            return Admission(reply=reply)
+        with self.lock:
+            entry = self.registry.entry(key)  # a fill filed it since get()
+            if entry is None:
+                fill = self.fills.get(key)
+                if fill is not None:
+                    return Admission(fill=fill)
+                failure = self.failures.get(key)
+                if failure is not None and time.monotonic() - failure.when > FAILURE_TTL:
+                    del self.failures[key]
+                    failure = None
+                if failure is not None and failure.deaths in (0, MAX_DEATHS):
+                    return Admission(failure=failure.error)
+                if lookup_only:
+                    return Admission()
+                if len(self.fills) >= self.max_fills:
+                    return Admission(busy=True)
+                # a waiter that came first makes it wanted
+                fill = self.fills[key] = Fill(key, background and not self.lenders.get(key), caller)
+                self.misses += count
+                return Admission(fill=fill, started=True)
+        reply = self.registry.hit(entry, count)
+        return Admission(reply=reply) if reply is not None else self.admit(key, lookup_only, count, background,
+                                                                           caller)
+
+    def finish(self, fill: Fill, *, remember: bool) -> None:
+        """End ``fill``, its ``entry`` or ``error`` set: wake its waiters; remember its failure per
+        Note [Only deterministic failures are remembered]."""
+        with self.lock:
+            if self.fills.get(fill.key) is fill:
+                del self.fills[fill.key]
+            if fill.error is None:
+                self.failures.pop(fill.key, None)
+            else:
+                previous = self.failures.pop(fill.key, None)
+                deaths = 0 if remember else min(MAX_DEATHS, (previous.deaths if previous else 0) + 1)
+                self.failures[fill.key] = _Failure(_trimmed(fill.error), time.monotonic(), deaths)
+                while len(self.failures) > MAX_FAILURES:
+                    self.failures.popitem(last=False)
+        fill.done.set()
+
+    def in_flight_besides(self, key: str) -> bool:
+        """Is a fill other than ``key``'s in flight? (A restore lets clients' fills go first.)"""
+        with self.lock:
+            return any(k != key for k in self.fills)
+
+    # -- before the loader: Note [Cold fills wait for their caller] ---------------------------
+
+    def after_caller(self, fill: Fill) -> None:
+        """Note [Cold fills wait for their caller]: return once the caller's own load looks
+        over (it ran or waited for a CPU less than half the time), it exited, someone waits
+        for the fill, or OVERMIND_FILL_YIELD seconds passed."""
+        if not fill.background or fill.caller <= 0 or self.config.fill_yield <= 0:
+            return
+        started = time.monotonic()
+        last, quiet = _busy_seconds(fill.caller), 0
+        while last is not None and quiet < CALLER_QUIET and time.monotonic() - started < self.config.fill_yield:
+            if fill.wanted.wait(CALLER_POLL) or fill.caller_done.is_set():
+                break
+            now = _busy_seconds(fill.caller)
+            if now is None:
+                break
+            quiet = quiet + 1 if 0 <= now - last < CALLER_POLL / 2 else 0  # less: a busy thread ended
+            last = now
+        logger.info("fill of %s starts %.1fs after its miss (caller pid %d)", fill.key[:16],
+                    time.monotonic() - started, fill.caller)
+
+    def caller_loaded(self, key: str) -> None:
+        """The caller whose miss started the fill of ``key`` finished its own plain load of it."""
+        with self.lock:
+            fill = self.fills.get(key)
+        if fill is not None:
+            fill.caller_done.set()
+
+    # -- its loader: Note [Cold fills yield to their caller] ----------------------------------
+
+    def forked(self, fill: Fill, pid: int) -> None:
+        """``fill``'s loader is process ``pid``: it yields if nobody waits for the fill."""
+        with self.lock:
+            fill.pid, fill.forked_at = pid, time.monotonic()
+            if not fill.background or self.config.fill_yield <= 0:
+                how = "normal priority" + (" (a caller waits for it)" if not fill.background else "")
+            elif self.can_lift_idle and every_thread(pid, to_idle):
+                fill.idle, fill.yielded_at = True, time.monotonic()
+                how = "idle priority (SCHED_IDLE)"
+            elif every_thread(pid, to_nice):
+                how = f"nice {FILL_NICE}"
+            else:
+                how = "normal priority (could not lower it)"
+        logger.info("loader pid %d fills %s at %s", pid, fill.key[:16], how)
+
+    def answer(self, job: socket.socket, fill: Fill, deadline: float) -> tuple[P.Message, bytes, list[int]]:
+        """The first message on ``fill``'s job socket that is not a progress report (``FillProgress``,
+        taken in by ``progress``), with its skeleton and fds: the loader's answer. socket.timeout
+        past ``deadline``; P.ProtocolError for a malformed report."""
+        while True:
+            self._wait_answer(job, fill, deadline)
+            job.settimeout(max(deadline - time.monotonic(), 0.001))
+            message, skeleton, fds = P.recv_message(job)
+            if not isinstance(message, P.FillProgress):
+                return message, skeleton, fds
+            if fds or message.key != fill.key or not 0 <= message.written <= 1 << 50 or \
+                    not 0 <= message.expected <= 1 << 50 or not 0 <= message.original_seconds < 1e6:
+                P.close_fds(fds)
+                raise P.ProtocolError(f"malformed progress report {message!r}")
+            self.progress(fill, message.written, message.expected, message.original_seconds)
+
+    def _wait_answer(self, job: socket.socket, fill: Fill, deadline: float) -> None:
+        """Until the loader's next message starts arriving; lifts a fill that yielded for
+        OVERMIND_FILL_YIELD seconds. socket.timeout past ``deadline``."""
+        while True:
+            now = time.monotonic()
+            wait = deadline - now
+            if fill.idle:
+                wait = min(wait, fill.yielded_at + self.config.fill_yield - now)
+            if select.select([job], [], [], max(wait, 0.0))[0]:
+                return
+            if time.monotonic() >= deadline:
+                raise socket.timeout("loader timeout")
+            with self.lock:
+                if fill.idle and time.monotonic() >= fill.yielded_at + self.config.fill_yield:
+                    self._lift(fill, f"it yielded for OVERMIND_FILL_YIELD={self.config.fill_yield:g}s")
+
+    def progress(self, fill: Fill, written: int, expected: int, original_seconds: float) -> None:
+        """Its loader's report (``FillProgress``): ``written`` of ``expected`` bytes in place."""
+        with self.lock:
+            if not fill.packing_since:
+                fill.packing_since = time.monotonic()
+            fill.written, fill.expected, fill.original_seconds = written, expected, original_seconds
+
+    # -- who waits for it: Note [Joining a fill] ------------------------------------------------
+
+    def remaining(self, key: str) -> tuple[float, Fill] | None:
+        """(seconds the fill of ``key`` should still take at its pace so far, the fill); None
+        while that cannot be told: no fill, or its loader still runs the original, or it
+        reported nothing to go by."""
+        with self.lock:
+            fill = self.fills.get(key)
+            if fill is None or not fill.packing_since or not fill.written:
+                return None
+            if fill.written >= fill.expected:  # all in place: the answer is on its way
+                return 0.0, fill
+            rate = fill.written / max(time.monotonic() - fill.packing_since, 1e-3)
+            return (fill.expected - fill.written) / rate, fill
+
+    def join(self, key: str, plain: float | None, pid: int) -> float:
+        """Note [Joining a fill]: how long process ``pid``, which found ``key`` filling, should wait
+        for the fill rather than load plainly (``plain``: a plain load's seconds, None when none is
+        known); 0: not at all."""
+        if plain is None:
+            return 0.0
+        progress = self.remaining(key)
+        if progress is None:
+            logger.info("pid %d loads %s plainly: its fill has not begun to pack", pid, key[:16])
+            return 0.0
+        left, fill = progress
+        if fill.original_seconds:  # the imports the first caller's load did are done here too
+            plain = min(plain, fill.original_seconds)
+        joins = left <= plain
+        logger.info("pid %d %s the fill of %s: %d of %d MB in place, %.2fs left against a plain load of %.2fs",
+                    pid, "joins" if joins else "loads plainly beside", key[:16], fill.written >> 20,
+                    fill.expected >> 20, left, plain)
+        return plain if joins else 0.0
+
+    def wait(self, fill: Fill, waiter: int, join: float = 0.0) -> bool:
+        """Process ``waiter`` waits for ``fill``, lending it normal priority: ``join`` seconds at most
+        if it joined it (Note [Joining a fill]), else until the loader timeout. Whether it is done."""
+        with self.waiting(fill.key, waiter):
+            done = fill.done.wait(join or self.config.loader_timeout + 60)
+        if join:
+            with self.lock:
+                self.joined += 1
+            logger.info("pid %d joined the fill of %s: %s", waiter, fill.key[:16], "served" if done else "gave up")
+        return done
+
+    @contextlib.contextmanager
+    def waiting(self, key: str, waiter: int):
+        """Process ``waiter`` waits for the fill of ``key`` in this block: lend it normal priority."""
+        with self.lock:
+            self._lend(key, f"pid {waiter} waits for it")
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._unlend(key)
+
+    @contextlib.contextmanager
+    def depends(self, fill: Fill, key: str):
+        """``fill`` waits in this block, before its loader starts, for the fill of ``key`` (an
+        entry its call refers to: Note [The loader is handed its references] in
+        overmind.server.cold_loads). It lends that fill its priority only if someone waits for it in turn;
+        otherwise a later lift passes on (``_hurry``)."""
+        with self.lock:
+            self.waits[fill.key] = key
+            lends = not fill.background
+            if lends:
+                self._lend(key, f"{fill.key[:16]} refers to it and is waited for")
+        try:
+            yield
+        finally:
+            with self.lock:
+                if self.waits.get(fill.key) == key:
+                    del self.waits[fill.key]
+                if lends:
+                    self._unlend(key)
+
+    def _lend(self, key: str, why: str) -> None:
+        self.lenders[key] = self.lenders.get(key, 0) + 1
+        self._hurry(key, set(), why)
+
+    def _unlend(self, key: str) -> None:
+        self.lenders[key] -= 1
+        if not self.lenders[key]:
+            del self.lenders[key]
+
+    def _hurry(self, key: str, seen: set, why: str) -> None:
+        fill = self.fills.get(key)
+        if fill is None or key in seen:
+            return
+        seen.add(key)
+        fill.background = False
+        fill.wanted.set()
+        if key in self.waits:  # it waits for the fill of an entry it refers to, before its loader starts
+            self._hurry(self.waits[key], seen, f"{why}, through {key[:16]}")
+            return
+        if fill.pid:
+            self._lift(fill, why)
+            return
+        # Not forked yet: queued behind the fills that hold the load slots.
+        for other in list(self.fills.values()):
+            if other.idle:
+                self._lift(other, f"{key[:16]} waits for a load slot ({why})")
+
+    def _lift(self, fill: Fill, why: str) -> None:
+        """Back to SCHED_OTHER; with the lock held."""
+        if not fill.idle:
+            return
+        fill.idle = False
+        if every_thread(fill.pid, to_normal):
+            logger.info("loader pid %d fills %s at normal priority now: %s", fill.pid, fill.key[:16], why)
+        else:
+            logger.warning("loader pid %d filling %s stays at idle priority (%s): the kernel refused", fill.pid,
+                           fill.key[:16], why)
+
+
+def _trimmed(error):
+    """A failure as remembered: its text bounded (Note [Only deterministic failures are remembered])."""
+    return type(error)(error.code, error.message[:MAX_REMEMBERED_TEXT], error.traceback[-MAX_REMEMBERED_TEXT:])

@@ -1,0 +1,569 @@
+"""overmind.server.fills, and the cold loads that use it, without a server: admission (single
+flight, remembered failures, the cap), joining a fill and giving up on it, the CPU priority of a
+fill's loader and who lends it theirs, and an entry evicted while a fill runs.
+
+Real classes, real threads, real sockets (``socketpair``) and real processes standing in for a
+loader or a caller (their scheduling policy is read from /proc). Note [Cold fills wait for their
+caller], Note [Cold fills yield to their caller], Note [Joining a fill] and Note [Only
+deterministic failures are remembered] in overmind.server.fills.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from overmind.shared import protocol as P
+from overmind.shared.config import Config
+from overmind.shared.memfd import Segment
+from overmind.server import fills as F
+from overmind.server.cold_loads import ColdLoads
+from overmind.server.fills import Fills
+from overmind.server.pool import LoadFailure, WarmPool
+from overmind.server.programs import ProgramHistory
+from overmind.server.registry import CacheEntry, Registry
+
+KEY, OTHER = "a" * 32, "b" * 32
+MB = 1 << 20
+LOG = "overmind.server"
+
+
+def _config(tmp_path, **values) -> Config:
+    return Config(tmp_path / "run", **values)
+
+
+def _fills(tmp_path, max_fills: int = F.MAX_FILLS, **values) -> Fills:
+    return Fills(_config(tmp_path, **values), Registry(budget=1 << 30), max_fills)
+
+
+def _loads(tmp_path, **values) -> ColdLoads:
+    """Cold loads over a pool that starts nothing: each test starts its fills itself (``admit``),
+    so no loader runs; what a loader would do, the test does."""
+    config = _config(tmp_path, **values)
+    return ColdLoads(config, Registry(budget=1 << 30), WarmPool(config), ProgramHistory())
+
+
+def _request(tmp_path, key: str = KEY, **fields) -> P.Load:
+    context = {"python": sys.executable, "cwd": str(tmp_path), "sys_path": [], "env": {"HOME": "/x"}}
+    return P.Load(**{"key": key, "target": "mod:load", "description": "load(...)", "context": context,
+                     "wait": False, **fields})
+
+
+def _entry(key: str = KEY, nbytes: int = 1 << 12) -> CacheEntry:
+    """What a fill files: an entry over one sealed segment (the registry owns the fd)."""
+    seg = Segment.create("test", nbytes)
+    seg.write_at(0, b"\x01" * nbytes)
+    seg.seal()
+    try:
+        return CacheEntry(key, "mod:load", "load(...)", b"skeleton", [[os.dup(seg.fd), seg.size]], nbytes, [],
+                          P.LoadMeta())
+    finally:
+        seg.close()
+
+
+def _packing(fills: Fills, fill: F.Fill, written: int, expected: int, original: float = 0.0,
+             seconds: float = 1.0) -> None:
+    """The fill's loader reported ``written`` of ``expected`` bytes, its pack begun ``seconds`` ago."""
+    fills.progress(fill, written, expected, original)
+    fill.packing_since = time.monotonic() - seconds
+
+
+def _start(target, *args) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def _until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def loader():
+    """A process standing in for a fill's loader: two threads, doing nothing."""
+    proc = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                             "threading.Thread(target=time.sleep, args=(60,)).start()\nprint(flush=True)\n"
+                             "time.sleep(60)"], stdout=subprocess.PIPE)
+    proc.stdout.readline()  # both threads run
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def _policies(pid: int) -> set:
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def _nices(pid: int) -> set:
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+IDLE, NORMAL = {os.SCHED_IDLE}, {os.SCHED_OTHER}
+
+
+# -- admission: single flight, the cap, remembered failures ----------------------------------------
+
+
+def _fail(fills: Fills, key: str, code: int, remember: bool, text: str = "boom") -> None:
+    admission = fills.admit(key)
+    assert admission.started, admission
+    admission.fill.error = P.Error(code, text, "tb" * 100_000)
+    fills.finish(admission.fill, remember=remember)
+
+
+def test_one_fill_per_key_and_the_cap_on_fills_answers_busy(tmp_path):
+    fills = _fills(tmp_path, max_fills=3)
+    started = [fills.admit(f"k{i}") for i in range(3)]
+    assert all(a.started and a.fill is not None for a in started)
+    busy = fills.admit("k3")
+    assert busy.busy and not busy.started and busy.fill is None
+    again = fills.admit("k0")
+    assert again.fill is started[0].fill and not again.started  # single flight
+    assert fills.counters() == {"misses": 3, "loading": 3, "remembered_failures": 0, "joined": 0}
+    assert fills.in_flight_besides("k0") and not _fills(tmp_path).in_flight_besides("k0")
+
+
+def test_a_finished_fill_is_a_hit_and_a_refill_counts_no_hit_or_miss(tmp_path):
+    fills = _fills(tmp_path)
+    fill = fills.admit(KEY, count=False).fill  # a restore's refill
+    fill.entry = _entry()
+    fills.registry.add(fill.entry)
+    fills.finish(fill, remember=False)
+    assert fill.done.is_set() and fills.counters()["loading"] == 0
+    assert fills.admit(KEY, count=False).reply is not None
+    assert (fills.counters()["misses"], fills.registry.counters()["hits"]) == (0, 0)
+    hit = fills.admit(KEY)
+    assert hit.reply is not None and hit.reply.key == KEY and hit.fill is None
+    assert fills.registry.counters()["hits"] == 1
+    fills.registry.clear()
+
+
+def test_a_lookup_starts_no_fill(tmp_path):
+    fills = _fills(tmp_path)
+    nothing = fills.admit(KEY, lookup_only=True)
+    assert (nothing.reply, nothing.fill, nothing.failure, nothing.started) == (None, None, None, False)
+    started = fills.admit(KEY)
+    assert fills.admit(KEY, lookup_only=True).fill is started.fill
+
+
+def test_a_raise_is_remembered_and_answered_without_a_new_load(tmp_path):
+    fills = _fills(tmp_path)
+    _fail(fills, "k", P.ErrorCode.LOADER_FAILED, remember=True)
+    again = fills.admit("k")
+    assert not again.started and again.failure is not None and again.failure.message == "boom"
+    assert len(again.failure.traceback) <= F.MAX_REMEMBERED_TEXT  # bounded text
+
+
+def test_a_loader_death_is_retried_until_it_happens_max_deaths_times_in_a_row(tmp_path):
+    fills = _fills(tmp_path)
+    for _ in range(F.MAX_DEATHS):
+        _fail(fills, "k", P.ErrorCode.LOADER_CRASHED, remember=False)
+    assert fills.counters()["misses"] == F.MAX_DEATHS  # each death was tried again
+    stop = fills.admit("k")
+    assert not stop.started and stop.failure.code == P.ErrorCode.LOADER_CRASHED
+
+
+def test_a_fill_that_succeeds_forgets_the_deaths_before_it(tmp_path):
+    fills = _fills(tmp_path)
+    for _ in range(F.MAX_DEATHS - 1):
+        _fail(fills, "k", P.ErrorCode.LOADER_CRASHED, remember=False)
+    fill = fills.admit("k").fill
+    fill.entry = _entry("k")
+    fills.finish(fill, remember=False)  # the entry was evicted at once: never filed
+    for _ in range(F.MAX_DEATHS - 1):
+        _fail(fills, "k", P.ErrorCode.LOADER_CRASHED, remember=False)
+    assert fills.admit("k").started  # not MAX_DEATHS in a row
+    fill.entry.close()
+
+
+def test_remembered_failures_are_bounded_however_many_keys_fail(tmp_path):
+    fills = _fills(tmp_path)
+    for i in range(F.MAX_FAILURES + 500):
+        _fail(fills, f"{i:032x}", P.ErrorCode.LOADER_FAILED, remember=True, text="x" * 100_000)
+    assert fills.counters()["remembered_failures"] == F.MAX_FAILURES
+    assert fills.admit(f"{0:032x}").started  # the oldest was forgotten: it may be tried again
+
+
+def test_a_failure_is_forgotten_after_its_ttl(tmp_path, monkeypatch):
+    fills = _fills(tmp_path)
+    _fail(fills, "k", P.ErrorCode.LOADER_FAILED, remember=True)
+    monkeypatch.setattr(F, "FAILURE_TTL", 0.0)
+    assert fills.admit("k").started
+
+
+def test_a_waiter_that_came_first_makes_the_fill_wanted(tmp_path):
+    fills = _fills(tmp_path)
+    with fills.waiting(KEY, 1234):
+        fill = fills.admit(KEY, background=True, caller=1).fill
+    assert not fill.background and fill.wanted.is_set()
+    assert fills.admit(OTHER, background=True, caller=1).fill.background
+
+
+def test_a_fills_waiters_get_its_failure_and_the_next_caller_the_remembered_one(tmp_path):
+    loads = _loads(tmp_path)
+    fill = loads.fills.admit(KEY, background=True).fill
+    a, b = socket.socketpair()
+    with a, b:
+        waiter = _start(loads.load, a, _request(tmp_path, wait=True), b"call", 4242)
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        fill.error = P.Error(P.ErrorCode.LOADER_FAILED, "it raised")
+        loads.fills.finish(fill, remember=True)
+        assert P.recv_message(b)[0] == P.Error(P.ErrorCode.LOADER_FAILED, "it raised")
+        waiter.join()
+        loads.load(a, _request(tmp_path), b"call", 4243)  # a caller that does not wait loads plainly at once
+        assert P.recv_message(b)[0] == P.Pending(KEY, False, "it raised", code=P.ErrorCode.LOADER_FAILED)
+
+
+# -- joining a fill: Note [Joining a fill] ----------------------------------------------------------
+
+
+def test_a_fill_that_should_end_before_a_plain_load_is_joined_and_serves_its_waiter(tmp_path, caplog):
+    caplog.set_level(logging.INFO, LOG)
+    loads = _loads(tmp_path)
+    fill = loads.fills.admit(KEY, background=True, caller=1).fill
+    _packing(loads.fills, fill, 60 * MB, 64 * MB)  # 4 MB to go at 60 MB/s
+    loads.remember_plain_seconds(KEY, 5.0)
+    a, b = socket.socketpair()
+    with a, b:
+        joiner = _start(loads.load, a, _request(tmp_path), b"call", 4242)
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        _until(lambda: loads.fills.lenders.get(KEY) == 1)  # it waits, lending the fill its priority
+        assert not fill.background and fill.wanted.is_set()
+        fill.entry = _entry()
+        loads.registry.add(fill.entry)
+        loads.fills.finish(fill, remember=False)
+        served = P.recv_message(b)[0]
+        joiner.join()
+    assert isinstance(served, P.Entry) and served.key == KEY and served.hit
+    assert loads.fills.lenders == {}
+    assert loads.counters()["joined"] == 1 and loads.registry.counters()["hits"] == 1
+    assert "pid 4242 joins the fill of" in caplog.text
+    assert f"pid 4242 joined the fill of {KEY[:16]}: served" in caplog.text
+    loads.registry.clear()
+
+
+@pytest.mark.timeout(60)
+def test_a_joined_fill_slower_than_a_plain_load_is_given_up_after_that_plain_loads_time(tmp_path, caplog):
+    caplog.set_level(logging.INFO, LOG)
+    loads = _loads(tmp_path)
+    fill = loads.fills.admit(KEY, background=True, caller=1).fill
+    _packing(loads.fills, fill, 60 * MB, 64 * MB)
+    loads.remember_plain_seconds(KEY, 0.5)
+    a, b = socket.socketpair()
+    with a, b:
+        started = time.monotonic()
+        loads.load(a, _request(tmp_path), b"call", 4242)  # the fill never ends
+        waited = time.monotonic() - started
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "the fill took longer than a plain load")
+    assert 0.5 <= waited < 5, waited
+    assert loads.counters()["joined"] == 1 and not fill.done.is_set()
+    assert f"pid 4242 joined the fill of {KEY[:16]}: gave up" in caplog.text
+
+
+def test_a_fill_with_far_to_go_is_not_joined(tmp_path, caplog):
+    caplog.set_level(logging.INFO, LOG)
+    loads = _loads(tmp_path)
+    fill = loads.fills.admit(KEY, background=True, caller=1).fill
+    _packing(loads.fills, fill, 1 * MB, 65 * MB)  # 64 MB to go at 1 MB/s
+    loads.remember_plain_seconds(KEY, 1.0)
+    a, b = socket.socketpair()
+    with a, b:
+        loads.load(a, _request(tmp_path), b"call", 4242)
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "")  # load plainly
+    assert "pid 4242 loads plainly beside the fill" in caplog.text and "1 of 65 MB in place" in caplog.text
+    assert loads.counters()["joined"] == 0 and loads.fills.lenders == {} and fill.background
+
+
+def test_a_plain_load_is_weighed_at_what_the_loaders_original_took_when_less(tmp_path, caplog):
+    caplog.set_level(logging.INFO, LOG)
+    fills = _fills(tmp_path)
+    fill = fills.admit(KEY, background=True).fill
+    _packing(fills, fill, 64 * MB, 68 * MB)  # 1/16 to go: 0.06 s at its pace
+    assert fills.join(KEY, 1.0, 4242) == 1.0  # sooner than the caller's plain load
+    _packing(fills, fill, 64 * MB, 68 * MB, original=0.05)
+    assert fills.join(KEY, 1.0, 4242) == 0.0  # not sooner than the loader's own call of the original
+    assert "against a plain load of 0.05s" in caplog.text
+
+
+def test_a_fill_still_running_the_original_or_a_key_with_no_plain_time_is_not_joined(tmp_path, caplog):
+    caplog.set_level(logging.INFO, LOG)
+    fills = _fills(tmp_path)
+    fill = fills.admit(KEY, background=True).fill
+    assert fills.join(KEY, 1.0, 4242) == 0.0
+    assert "pid 4242 loads aaaaaaaaaaaaaaaa plainly: its fill has not begun to pack" in caplog.text
+    _packing(fills, fill, 64 * MB, 64 * MB)  # all in place
+    assert fills.remaining(KEY) == (0.0, fill)
+    assert fills.join(KEY, None, 4242) == 0.0  # no plain load to weigh it against
+    assert fills.join(KEY, 0.1, 4242) == 0.1
+
+
+def test_a_caller_that_waits_for_the_cache_never_joins_it_but_waits_for_the_fill_to_end(tmp_path):
+    loads = _loads(tmp_path)
+    fill = loads.fills.admit(KEY, background=True).fill
+    _packing(loads.fills, fill, 64 * MB, 64 * MB)  # all in place: a caller that may join would
+    loads.remember_plain_seconds(KEY, 0.2)
+    a, b = socket.socketpair()
+    with a, b:
+        waiter = _start(loads.load, a, _request(tmp_path, wait=True), b"call", 4242)
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        time.sleep(0.5)  # past its plain load's time: it still waits
+        assert waiter.is_alive()
+        fill.entry = _entry()
+        loads.registry.add(fill.entry)
+        loads.fills.finish(fill, remember=False)
+        assert isinstance(P.recv_message(b)[0], P.Entry)
+        waiter.join()
+    assert loads.counters()["joined"] == 0
+    loads.registry.clear()
+
+
+# -- the loader's priority: Note [Cold fills yield to their caller] ---------------------------------
+
+
+def test_a_fill_nobody_waits_for_yields_until_a_waiter_lends_it_normal_priority(tmp_path, loader, caplog):
+    caplog.set_level(logging.INFO, LOG)
+    fills = _fills(tmp_path)
+    fills.can_lift_idle = True  # as for root, CAP_SYS_NICE or RLIMIT_NICE 20
+    fill = fills.admit(KEY, background=True, caller=1).fill
+    fills.forked(fill, loader)
+    assert _policies(loader) == IDLE and fill.idle
+    assert f"loader pid {loader} fills {KEY[:16]} at idle priority (SCHED_IDLE)" in caplog.text
+    with fills.waiting(KEY, 4242):
+        assert _policies(loader) == NORMAL and not fill.idle and fill.wanted.is_set()
+    assert _policies(loader) == NORMAL  # lent for good
+    assert "at normal priority now: pid 4242 waits for it" in caplog.text
+
+
+def test_where_idle_could_not_be_lifted_a_fill_takes_nice_10_instead(tmp_path, loader, caplog):
+    caplog.set_level(logging.INFO, LOG)
+    fills = _fills(tmp_path)
+    fills.can_lift_idle = False
+    fill = fills.admit(KEY, background=True, caller=1).fill
+    fills.forked(fill, loader)
+    assert _policies(loader) == NORMAL and _nices(loader) == {F.FILL_NICE} and not fill.idle
+    assert f"fills {KEY[:16]} at nice 10" in caplog.text
+
+
+@pytest.mark.parametrize("wait, fill_yield", [(True, 120.0), (False, 0.0)])
+def test_a_fill_someone_waits_for_or_with_yielding_off_runs_at_normal_priority(tmp_path, loader, caplog, wait,
+                                                                               fill_yield):
+    caplog.set_level(logging.INFO, LOG)
+    fills = _fills(tmp_path, fill_yield=fill_yield)
+    fills.can_lift_idle = True
+    fill = fills.admit(KEY, background=not wait, caller=1).fill
+    fills.forked(fill, loader)
+    assert _policies(loader) == NORMAL and _nices(loader) == {0} and not fill.idle
+    assert ("at normal priority (a caller waits for it)" in caplog.text) == wait
+
+
+def test_a_fill_waiting_for_a_load_slot_lifts_the_fills_that_hold_them(tmp_path, loader, caplog):
+    caplog.set_level(logging.INFO, LOG)
+    fills = _fills(tmp_path)
+    fills.can_lift_idle = True
+    holder = fills.admit(OTHER, background=True, caller=1).fill
+    fills.forked(holder, loader)
+    queued = fills.admit(KEY, background=True, caller=1).fill  # not forked: waits for a slot
+    assert _policies(loader) == IDLE
+    with fills.waiting(KEY, 4242):
+        assert _policies(loader) == NORMAL
+    assert f"{KEY[:16]} waits for a load slot (pid 4242 waits for it)" in caplog.text and not queued.background
+
+
+def test_a_fill_lends_the_fill_it_refers_to_its_priority_only_when_someone_waits_for_it(tmp_path, loader, caplog):
+    caplog.set_level(logging.INFO, LOG)
+    fills = _fills(tmp_path)
+    fills.can_lift_idle = True
+    referred = fills.admit(OTHER, background=True, caller=1).fill
+    fills.forked(referred, loader)
+    yielding = fills.admit(KEY, background=True, caller=1).fill
+    with fills.depends(yielding, OTHER):  # neither is wanted: nothing lent
+        assert _policies(loader) == IDLE and fills.waits == {KEY: OTHER}
+        with fills.waiting(KEY, 4242):  # now the fill is wanted: the lift passes on
+            assert _policies(loader) == NORMAL
+    assert fills.waits == {} and fills.lenders == {}
+    assert f"pid 4242 waits for it, through {KEY[:16]}" in caplog.text
+
+
+def test_a_wanted_fill_that_refers_to_another_lends_it_its_priority(tmp_path, loader):
+    fills = _fills(tmp_path)
+    fills.can_lift_idle = True
+    referred = fills.admit(OTHER, background=True, caller=1).fill
+    fills.forked(referred, loader)
+    wanted = fills.admit(KEY, background=False, caller=1).fill
+    with fills.depends(wanted, OTHER):
+        assert _policies(loader) == NORMAL and fills.lenders == {OTHER: 1}
+    assert fills.lenders == {}
+
+
+def test_a_yielding_fill_competes_normally_after_fill_yield_seconds_and_its_progress_is_read(tmp_path, loader,
+                                                                                            caplog):
+    caplog.set_level(logging.INFO, LOG)
+    fills = _fills(tmp_path, fill_yield=0.3)
+    fills.can_lift_idle = True
+    fill = fills.admit(KEY, background=True, caller=1).fill
+    fills.forked(fill, loader)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        P.send_message(theirs, P.FillProgress(KEY, 3 * MB, 8 * MB, 0.25))
+
+        def answer_later() -> None:
+            _until(lambda: _policies(loader) == NORMAL)
+            P.send_message(theirs, P.Ok())
+
+        later = _start(answer_later)
+        message, _, fds = fills.answer(ours, fill, time.monotonic() + 30)
+        later.join()
+        assert message == P.Ok() and fds == []
+        assert (fill.written, fill.expected, fill.original_seconds) == (3 * MB, 8 * MB, 0.25) and fill.packing_since
+        assert "at normal priority now: it yielded for OVERMIND_FILL_YIELD=0.3s" in caplog.text
+
+        P.send_message(theirs, P.FillProgress(OTHER, 1, 2, 0.0))  # another key's: not ours
+        with pytest.raises(P.ProtocolError, match="malformed progress report"):
+            fills.answer(ours, fill, time.monotonic() + 30)
+        with pytest.raises(socket.timeout):
+            fills.answer(ours, fill, time.monotonic() + 0.1)
+
+
+# -- before the loader: Note [Cold fills wait for their caller] ------------------------------------
+
+
+@pytest.fixture
+def caller():
+    """A process standing in for the caller whose miss started a fill, busy with its own load."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _after_caller(fills: Fills, fill: F.Fill) -> threading.Thread:
+    return _start(fills.after_caller, fill)
+
+
+@pytest.mark.timeout(60)
+def test_a_fill_waits_while_its_caller_loads_until_the_caller_says_it_loaded(tmp_path, caller, caplog):
+    caplog.set_level(logging.INFO, LOG)
+    fills = _fills(tmp_path)
+    fill = fills.admit(KEY, background=True, caller=caller.pid).fill
+    waiting = _after_caller(fills, fill)
+    waiting.join(1.0)
+    assert waiting.is_alive()  # the caller still runs (or waits for a CPU): its load is not over
+    fills.caller_loaded(KEY)  # PlainLoaded
+    waiting.join(2.0)
+    assert not waiting.is_alive() and fill.caller_done.is_set()
+    assert f"fill of {KEY[:16]} starts" in caplog.text and f"after its miss (caller pid {caller.pid})" in caplog.text
+
+
+def test_a_fill_waits_for_its_caller_until_someone_waits_for_the_fill_or_the_caller_exits(tmp_path, caller):
+    fills = _fills(tmp_path)
+    fill = fills.admit(KEY, background=True, caller=caller.pid).fill
+    waiting = _after_caller(fills, fill)
+    time.sleep(0.3)
+    assert waiting.is_alive()
+    with fills.waiting(KEY, 4242):
+        waiting.join(2.0)
+        assert not waiting.is_alive()
+    other = fills.admit(OTHER, background=True, caller=caller.pid).fill
+    waiting = _after_caller(fills, other)
+    time.sleep(0.3)
+    assert waiting.is_alive()
+    caller.kill()
+    caller.wait()
+    waiting.join(2.0)
+    assert not waiting.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_a_fill_waits_for_its_caller_at_most_fill_yield_seconds_and_not_at_all_for_a_quiet_one(tmp_path, caller):
+    fills = _fills(tmp_path, fill_yield=0.5)
+    fill = fills.admit(KEY, background=True, caller=caller.pid).fill
+    started = time.monotonic()
+    fills.after_caller(fill)
+    assert 0.5 <= time.monotonic() - started < 3
+    quiet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        fills = _fills(tmp_path)
+        fill = fills.admit(KEY, background=True, caller=quiet.pid).fill
+        started = time.monotonic()
+        fills.after_caller(fill)  # CALLER_QUIET polls under half a core
+        assert time.monotonic() - started < 3
+    finally:
+        quiet.kill()
+        quiet.wait()
+    wanted = _fills(tmp_path).admit(KEY, background=False, caller=caller.pid).fill
+    started = time.monotonic()
+    fills.after_caller(wanted)  # someone waits for it from the start
+    assert time.monotonic() - started < 0.1
+
+
+# -- eviction while a fill runs -------------------------------------------------------------------
+
+
+def test_a_waiter_whose_fill_was_evicted_right_after_filing_is_told_to_load_plainly(tmp_path):
+    loads = _loads(tmp_path)
+    fill = loads.fills.admit(KEY, background=True).fill
+    a, b = socket.socketpair()
+    with a, b:
+        waiter = _start(loads.load, a, _request(tmp_path, wait=True), b"call", 4242)
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        fill.entry = _entry()
+        loads.registry.add(fill.entry)
+        loads.registry.evict([KEY])  # budget pressure from another load
+        loads.fills.finish(fill, remember=False)
+        answer = P.recv_message(b)[0]
+        waiter.join()
+    assert answer == P.Error(P.ErrorCode.NOT_FOUND, f"{KEY} was evicted right after loading")
+    assert loads.fills.admit(KEY).started  # nothing remembered: the next caller fills it again
+
+
+def test_a_fill_whose_referred_entry_is_evicted_while_it_waits_for_it_fails_not_found(tmp_path):
+    loads = _loads(tmp_path)
+    referred = loads.fills.admit(OTHER, background=True).fill
+    fill = loads.fills.admit(KEY, background=False).fill
+    failed: list = []
+
+    def references() -> None:
+        try:
+            loads._references(_request(tmp_path, refs=[OTHER]), fill)
+        except LoadFailure as failure:
+            failed.append(failure)
+
+    waiting = _start(references)
+    _until(lambda: loads.fills.waits == {KEY: OTHER})  # it waits for the fill it refers to, lending it priority
+    assert loads.fills.lenders == {OTHER: 1} and not referred.background
+    referred.entry = _entry(OTHER)
+    loads.registry.add(referred.entry)
+    loads.registry.evict([OTHER])
+    loads.fills.finish(referred, remember=False)
+    waiting.join(10)
+    assert [f.code for f in failed] == [P.ErrorCode.NOT_FOUND], failed
+    assert "is not cached" in failed[0].message and loads.fills.waits == {} and loads.fills.lenders == {}
+
+
+def test_a_fill_is_handed_the_entry_it_refers_to_once_that_fill_files_it(tmp_path):
+    loads = _loads(tmp_path)
+    referred = loads.fills.admit(OTHER, background=True).fill
+    fill = loads.fills.admit(KEY, background=True).fill
+    handed: list = []
+    waiting = _start(lambda: handed.extend(loads._references(_request(tmp_path, refs=[OTHER]), fill)))
+    _until(lambda: loads.fills.waits == {KEY: OTHER})
+    assert loads.fills.lenders == {}  # nobody waits for the fill that refers to it: nothing lent
+    referred.entry = _entry(OTHER)
+    loads.registry.add(referred.entry)
+    loads.fills.finish(referred, remember=False)
+    waiting.join(10)
+    ((reply, fds),) = handed
+    assert reply.key == OTHER and len(fds) == 1 and os.fstat(fds[0]).st_size == 1 << 12
+    P.close_fds(fds)
+    loads.registry.clear()
