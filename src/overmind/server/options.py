@@ -60,7 +60,7 @@ SETTINGS = (
     # Note [File segments stay mapped] in overmind.server.settle
     Setting("OVERMIND_KEEP_FILE_PAGES", None, "keep those files' pages mapped until they are copied; "
             "--no-keep-file-pages leaves them to the page cache, which may drop them"),
-    # Note [Cold fills wait for their caller] in overmind.server.fill_priority
+    # Note [Cold fills wait for their caller] in overmind.server.fills
     Setting("OVERMIND_FILL_YIELD", "S", "seconds a cache fill that no caller waits for waits for its caller's own "
             "plain load to end, then runs at idle CPU priority; 0: fills start at once at normal priority"),
     Setting("OVERMIND_WORKERS", "N", "loads that run at once for different keys"),
