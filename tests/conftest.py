@@ -46,9 +46,39 @@ def state_home() -> str:
     return _STATE_HOME
 
 
+# A child that autostarts a server without a runtime directory of its own (a script calling
+# monkey_patch_all()) starts it here, never in the user's $XDG_RUNTIME_DIR or /tmp/overmind-<uid>;
+# the session stops it at its end.
+_RUNTIME_HOME = None
+
+
+def runtime_home() -> str:
+    global _RUNTIME_HOME
+    if _RUNTIME_HOME is None:
+        import atexit
+        import tempfile
+
+        _RUNTIME_HOME = tempfile.mkdtemp(prefix="om-rt-", dir="/tmp")  # AF_UNIX paths: short
+        atexit.register(_stop_default_server, _RUNTIME_HOME)
+    return _RUNTIME_HOME
+
+
+def _stop_default_server(home: str) -> None:
+    import shutil
+    import signal
+
+    try:
+        pid = int((Path(home) / "overmind" / "server.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError, IndexError):
+        pass
+    shutil.rmtree(home, ignore_errors=True)
+
+
 def child_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OVERMIND_")}
-    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "XDG_STATE_HOME": state_home()})
+    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "XDG_STATE_HOME": state_home(),
+                "XDG_RUNTIME_DIR": runtime_home()})
     env.update(extra)
     return env
 
