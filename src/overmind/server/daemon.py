@@ -365,7 +365,7 @@ class Server:
 
     def status(self) -> dict:
         info = {"pid": os.getpid(), "version": __version__, "uptime": time.time() - self.started,
-                **self.registry.counters(), "refused_connections": self.refused,
+                **self.loads.counters(), "refused_connections": self.refused,  # Note [Joining a fill] in overmind.server.fills
                 "busy_refusals": self.busy_refusals, "connections": self.connections, "peers": dict(self.peers),
                 "socket": str(self.config.socket_path), "socket_rebinds": self.socket_rebinds, "runs": self.runs,
                 "torch_imported": "torch" in sys.modules}
@@ -373,7 +373,7 @@ class Server:
         info["loaders"] = self.pool.describe()
         info["warm_retired"] = self.pool.retired
         info["settling"] = self.loads.settling()  # Note [Huge pages for segments] in overmind.shared.memfd
-        info.update(self.loads.counters())  # Note [Joining a fill] in overmind.server.fills
+        info.update(self.registry.counters())  # after the fills': one no longer "loading" has its entry counted
         info["file_segments"] = {"bytes": self.registry.file_bytes(), "settled": self.settler.settled,  # Note [Settling file segments]
                                  "settled_bytes": self.settler.settled_bytes, "copying": self.settler.copying}
         info["restore"] = self.restore.describe()  # Note [Restore after a restart] in overmind.server.restore
