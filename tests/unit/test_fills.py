@@ -1,6 +1,7 @@
 """overmind.server.fills, and the cold loads that use it, without a server: admission (single
 flight, remembered failures, the cap), joining a fill and giving up on it, the CPU priority of a
-fill's loader and who lends it theirs, and an entry evicted while a fill runs.
+fill's loader and who lends it theirs, an entry evicted while a fill runs, and the server's status
+taken while a fill ends.
 
 Real classes, real threads, real sockets (``socketpair``) and real processes standing in for a
 loader or a caller (their scheduling policy is read from /proc). Note [Cold fills wait for their
@@ -266,7 +267,7 @@ def test_a_joined_fill_slower_than_a_plain_load_is_given_up_after_that_plain_loa
         waited = time.monotonic() - started
         assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
         assert P.recv_message(b)[0] == P.Pending(KEY, True, "the fill took longer than a plain load")
-    assert 0.5 <= waited < 5, waited
+    assert 0.5 <= waited < 30, waited  # not the loader timeout
     assert loads.counters()["joined"] == 1 and not fill.done.is_set()
     assert f"pid 4242 joined the fill of {KEY[:16]}: gave up" in caplog.text
 
@@ -460,11 +461,12 @@ def test_a_fill_waits_while_its_caller_loads_until_the_caller_says_it_loaded(tmp
     waiting.join(1.0)
     assert waiting.is_alive()  # the caller still runs (or waits for a CPU): its load is not over
     fills.caller_loaded(KEY)  # PlainLoaded
-    waiting.join(2.0)
+    waiting.join(10.0)
     assert not waiting.is_alive() and fill.caller_done.is_set()
     assert f"fill of {KEY[:16]} starts" in caplog.text and f"after its miss (caller pid {caller.pid})" in caplog.text
 
 
+@pytest.mark.timeout(60)
 def test_a_fill_waits_for_its_caller_until_someone_waits_for_the_fill_or_the_caller_exits(tmp_path, caller):
     fills = _fills(tmp_path)
     fill = fills.admit(KEY, background=True, caller=caller.pid).fill
@@ -472,7 +474,7 @@ def test_a_fill_waits_for_its_caller_until_someone_waits_for_the_fill_or_the_cal
     time.sleep(0.3)
     assert waiting.is_alive()
     with fills.waiting(KEY, 4242):
-        waiting.join(2.0)
+        waiting.join(10.0)
         assert not waiting.is_alive()
     other = fills.admit(OTHER, background=True, caller=caller.pid).fill
     waiting = _after_caller(fills, other)
@@ -480,7 +482,7 @@ def test_a_fill_waits_for_its_caller_until_someone_waits_for_the_fill_or_the_cal
     assert waiting.is_alive()
     caller.kill()
     caller.wait()
-    waiting.join(2.0)
+    waiting.join(10.0)
     assert not waiting.is_alive()
 
 
@@ -490,21 +492,21 @@ def test_a_fill_waits_for_its_caller_at_most_fill_yield_seconds_and_not_at_all_f
     fill = fills.admit(KEY, background=True, caller=caller.pid).fill
     started = time.monotonic()
     fills.after_caller(fill)
-    assert 0.5 <= time.monotonic() - started < 3
+    assert 0.5 <= time.monotonic() - started < 20  # not its fill_yield of 120 s
     quiet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         fills = _fills(tmp_path)
         fill = fills.admit(KEY, background=True, caller=quiet.pid).fill
         started = time.monotonic()
         fills.after_caller(fill)  # CALLER_QUIET polls under half a core
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 20  # not its fill_yield of 120 s
     finally:
         quiet.kill()
         quiet.wait()
     wanted = _fills(tmp_path).admit(KEY, background=False, caller=caller.pid).fill
     started = time.monotonic()
     fills.after_caller(wanted)  # someone waits for it from the start
-    assert time.monotonic() - started < 0.1
+    assert time.monotonic() - started < 20
 
 
 # -- eviction while a fill runs -------------------------------------------------------------------
@@ -567,3 +569,28 @@ def test_a_fill_is_handed_the_entry_it_refers_to_once_that_fill_files_it(tmp_pat
     assert reply.key == OTHER and len(fds) == 1 and os.fstat(fds[0]).st_size == 1 << 12
     P.close_fds(fds)
     loads.registry.clear()
+
+
+def test_the_server_status_never_counts_a_fill_ended_before_its_entry_is_counted(tmp_path):
+    """What ``wait_idle`` relies on: "loading" 0 means the fill's entry is among "entries". The fill
+    files its entry and ends right after the first of the two counters is read, the worst moment."""
+    from overmind.server.daemon import Server
+
+    server = Server(_config(tmp_path, state_dir=tmp_path / "state"))
+    fill = server.loads.fills.admit(KEY, background=True).fill
+
+    def end_fill() -> None:
+        if not fill.done.is_set():
+            fill.entry = _entry()
+            server.registry.add(fill.entry)
+            server.loads.fills.finish(fill, remember=False)
+
+    for owner in (server.loads, server.registry):
+        def counters(read=owner.counters) -> dict:
+            counted = read()
+            end_fill()
+            return counted
+        owner.counters = counters
+    status = server.status()
+    assert status["loading"] == 1 or status["entries"] == 1, status
+    server.registry.clear()
