@@ -253,7 +253,7 @@ def load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
 
 def _tell_plain_seconds(key: str, seconds: float) -> None:
     """What our plain load of a filling key took: the server weighs a later caller's wait for
-    the fill against it (Note [Joining a fill] in overmind.server.cold_loads)."""
+    the fill against it (Note [Joining a fill] in overmind.server.fills)."""
     conn = getattr(_local, "conn", None)
     if conn is None:
         return

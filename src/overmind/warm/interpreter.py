@@ -1,6 +1,6 @@
 """A warm interpreter: imports installed modules once, then forks a child per load or run.
 
-Started by the server (``overmind.server.pool``) as ``python -c "...interpreter_main(fd)"`` in
+Started by the server (``overmind.server.warm_process``) as ``python -c "...interpreter_main(fd)"`` in
 its own session, cwd ``/``, stdio on the server's log; never by users::
 
     interpreter_main(control_fd)   # Warm -> LoaderReady, then Job | Fork | Retire, until retired
