@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml setup.py csrc/overmind.cpp
 demo: venv
 	$(VENV)/bin/overmind-bench --quick
 
+# Two workers, each test file whole on one (its module-scoped servers and models made once):
+# the suite waits on subprocesses as much as it computes.
 test: venv
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --timeout=600 tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --timeout=600 -n 2 --dist loadfile tests
 
 clean:
 	rm -rf build src/*.egg-info src/overmind/_C*.so

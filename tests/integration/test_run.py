@@ -199,9 +199,12 @@ WAIT_FOR_A_SIGNAL = "for _ in range(1200):\n    time.sleep(0.05)"
 
 def test_in_a_terminal_isatty_is_true_and_ctrl_c_raises_keyboard_interrupt(warm_server, tmp_path):
     script = tmp_path / "wait.py"
+    # The line the test waits for is printed inside the try: a Ctrl-C that came between the print
+    # and the try (a busy machine can hold the script there) would escape it.
     script.write_text("import sys, time\n"
-                      "print('tty', sys.stdin.isatty(), sys.stdout.isatty(), sys.stderr.isatty(), flush=True)\n"
-                      "try:\n    " + WAIT_FOR_A_SIGNAL.replace("\n", "\n    ") + "\nexcept KeyboardInterrupt:\n"
+                      "try:\n"
+                      "    print('tty', sys.stdin.isatty(), sys.stdout.isatty(), sys.stderr.isatty(), flush=True)\n"
+                      "    " + WAIT_FOR_A_SIGNAL.replace("\n", "\n    ") + "\nexcept KeyboardInterrupt:\n"
                       "    print('caught', flush=True)\n"
                       "    sys.exit(4)\n")
     before = _runs(warm_server)
