@@ -31,7 +31,7 @@ def test_quick_is_small_one_run_two_holders_one_process_per_mode():
     assert quick.startup and full.startup
     # The whole-process scenario: every script, 3 timed runs per mode in --quick, 5 otherwise.
     assert quick.whole_scripts == full.whole_scripts == ("controlnet", "lm", "imports")
-    assert (quick.whole_runs, full.whole_runs) == (2, 5)
+    assert (quick.whole_runs, full.whole_runs) == (1, 5)
     assert full.whole_modes == ("plain", "patched", "run", "first_run")
     only = plan_of("--scenarios", "lm", "--whole-runs", "2")
     assert only.whole_scripts == () and [s.name for s in only.scenarios] == ["lm"]

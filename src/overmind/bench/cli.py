@@ -78,7 +78,7 @@ EXTRA_SCENARIOS = ("warmup_curve", "whole_process", "custom", "memory", "startup
 CURVE_SCRIPTS = ("controlnet", "lm")  # whole-process scripts that load a model
 # --quick (make demo) stays within 3 minutes here: the curve of the ControlNet script only.
 QUICK = {"scale": "small", "runs": 1, "warm_runs": 1, "memory_procs": 2, "startup_repeats": 5,
-         "process_per": "run", "memory_cases": "controlnet", "whole_runs": 2, "curve_rounds": 1,
+         "process_per": "run", "memory_cases": "controlnet", "whole_runs": 1, "curve_rounds": 1,
          "curve_scripts": "controlnet"}
 FULL = {"scale": "base", "runs": 3, "warm_runs": 3, "memory_procs": 4, "startup_repeats": 20,
         "process_per": "scenario", "memory_cases": "controlnet,fp32_as_fp16", "whole_runs": 5, "curve_rounds": 2,
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="restart scenario: pairs of a client run during a restore against one beside nothing "
                              "to restore (default 3; 0 skips them)")
     parser.add_argument("--whole-runs", type=int, metavar="N",
-                        help="its timed runs per script and mode (default 5; --quick: 2)")
+                        help="its timed runs per script and mode (default 5; --quick: 1)")
     parser.add_argument("--curve-scripts", metavar="LIST",
                         help=f"the warm-up curve's scripts, from {', '.join(CURVE_SCRIPTS)} "
                              "(default both; --quick: controlnet)")
