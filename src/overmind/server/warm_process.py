@@ -123,27 +123,31 @@ class WarmProcess:
             reply, _, got = P.recv_message(self.sock, max_blob=0)
             P.close_fds(got)
             while isinstance(reply, P.Unforkable):  # said before our message reached it: the answer follows
-                self._heard_unforkable(reply)
+                self._heard(reply.environ)
+                self._cannot_fork(reply.why, reply.refused)
                 reply, _, got = P.recv_message(self.sock, max_blob=0)
                 P.close_fds(got)
             if isinstance(reply, (P.JobFailed, P.JobStarted)):
                 self._heard(reply.environ)
             if isinstance(reply, P.JobFailed):
-                self.refused = sorted(set(self.refused) | {n for n in reply.refused if isinstance(n, str)})
+                self._add_refused(reply.refused)
                 raise P.RemoteError(reply.code, reply.message, reply.traceback)
             started = P.expect(reply, P.JobStarted, "from a warm interpreter")
             if started.unforkable:  # its load runs in a fresh interpreter; it is replaced
-                self.unforkable = str(started.unforkable)[:1000]
-                self.refused = sorted(set(self.refused) | {n for n in started.refused if isinstance(n, str)})
+                self._cannot_fork(started.unforkable, started.refused)
             self.modules = started.modules
             self.learned = list(started.learned)
             self.last_used = time.time()
             return started
 
-    def _heard_unforkable(self, notice: P.Unforkable) -> None:
-        self._heard(notice.environ)
-        self.unforkable = str(notice.why)[:1000] or "it said it cannot fork"
-        self.refused = sorted(set(self.refused) | {n for n in notice.refused if isinstance(n, str)})
+    def _cannot_fork(self, why, refused: list) -> None:
+        """It said it can fork no more: why, and the modules its successor keeps out."""
+        self.unforkable = str(why)[:1000] or "it said it cannot fork"
+        self._add_refused(refused)
+
+    def _add_refused(self, names: list) -> None:
+        """Modules that started a thread in it (Note [Threads libraries start]); untrusted: only names."""
+        self.refused = sorted(set(self.refused) | {n for n in names if isinstance(n, str)})
 
     def take_notice(self) -> bool:
         """Whether it said, unasked, that it can fork no more (Note [A tainted interpreter says so at
@@ -164,7 +168,8 @@ class WarmProcess:
         if not isinstance(message, P.Unforkable):
             self.unforkable = f"it sent {type(message).__name__} unasked"
             return True
-        self._heard_unforkable(message)
+        self._heard(message.environ)
+        self._cannot_fork(message.why, message.refused)
         return True
 
     def _heard(self, environ) -> None:
