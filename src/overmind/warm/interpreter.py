@@ -232,6 +232,7 @@ class WarmInterpreter:
         self.held.census.take()  # Note [Forking only past what a fork keeps]: what runs now is its own
         self.compiles = INDUCTOR_USED in warm.modules
         imported += self.held.import_(warm.modules)
+        tainted = self.held.tainted  # its own imports started a thread: said once it is ready
         self.held.record_files()
         self._index()
         self._prime()
@@ -240,7 +241,7 @@ class WarmInterpreter:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         P.send_message(self.control, P.LoaderReady(os.getpid(), imported, refused=sorted(self.held.refused_modules),
                                                    environ=self.held.news()))
-        if len(self.held.refused_modules) > len(warm.refused):  # its own imports started a thread
+        if tainted:
             self._say_unforkable()
 
     def _index(self) -> None:
