@@ -13,7 +13,7 @@ from pathlib import Path
 
 from overmind.shared import hugepages
 
-from ..conftest import REPO, age_files, child_env
+from ..conftest import REPO, age_files, build_shared_library, child_env
 from .conftest import ServerProcess
 
 LOAD_UNET = """
@@ -174,35 +174,36 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def test_shutdown_returns_only_once_the_server_process_is_gone(runtime_dir):
+def test_shutdown_returns_only_once_the_server_process_is_gone(runtime_dir, tmp_path):
     """The instance lock goes with the process, so a server started right after `overmind
-    shutdown` (a restart) must not find it held. Each try stops the server (SIGSTOP) the moment
-    its socket file is gone, before it could exit; a try where it exited first says nothing."""
-    for _ in range(10):
-        server = ServerProcess(runtime_dir)
-        cli = subprocess.Popen([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=server.env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-        try:
-            while server.socket_path.exists():
-                time.sleep(0.0005)
-            os.kill(server.pid, signal.SIGSTOP)
-            if _state(server.pid) != "T":
-                continue  # it exited before it was stopped
-            time.sleep(0.5)
-            assert cli.poll() is None, f"shutdown returned while the server still ran: {cli.communicate()}"
+    shutdown` (a restart) must not find it held. The server is stopped (SIGSTOP, from a
+    preloaded shim: tests/shims/stop_after_unlink.c) the moment its socket file is gone, before
+    it could exit, so the check does not depend on who is faster."""
+    shim = build_shared_library(REPO / "tests" / "shims" / "stop_after_unlink.c", tmp_path / "libstop.so")
+    server = ServerProcess(runtime_dir, {"LD_PRELOAD": str(shim), "STOP_AFTER_UNLINK": str(runtime_dir / "server.sock")})
+    cli_env = {k: v for k, v in server.env.items() if k not in ("LD_PRELOAD", "STOP_AFTER_UNLINK")}
+    cli = subprocess.Popen([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=cli_env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        while _state(server.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(server.pid) == "T" and not server.socket_path.exists(), _state(server.pid)
+        time.sleep(0.5)
+        assert cli.poll() is None, f"shutdown returned while the server still ran: {cli.communicate()}"
+        os.kill(server.pid, signal.SIGCONT)
+        out, err = cli.communicate(timeout=30)
+        assert cli.returncode == 0, err
+        assert server.proc.poll() == 0  # exited when shutdown returned
+        restarted = ServerProcess(runtime_dir)  # the lock is free at once
+        restarted.stop()
+    finally:
+        if server.proc.poll() is None:
             os.kill(server.pid, signal.SIGCONT)
-            out, err = cli.communicate(timeout=30)
-            assert cli.returncode == 0, err
-            assert server.proc.poll() == 0  # exited when shutdown returned
-            restarted = ServerProcess(runtime_dir)  # the lock is free at once
-            restarted.stop()
-            return
-        finally:
-            if server.proc.poll() is None:
-                os.kill(server.pid, signal.SIGCONT)
-                server.proc.wait(timeout=30)
-            cli.wait(timeout=30)
-    raise AssertionError("the server exited before it could be stopped in each of 10 tries: nothing was checked")
+            server.proc.kill()
+            server.proc.wait(timeout=30)
+        cli.kill()
+        cli.wait(timeout=30)
 
 
 def test_status_without_a_server_exits_3_naming_the_socket_and_still_reports_huge_pages(runtime_dir):
