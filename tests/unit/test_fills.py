@@ -69,11 +69,24 @@ def _entry(key: str = KEY, nbytes: int = 1 << 12) -> CacheEntry:
         seg.close()
 
 
+class _Clock:
+    """The fills' clock (``Fills.clock``), moved only by the test: a fill's pace is what the test says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _packing(fills: Fills, fill: F.Fill, written: int, expected: int, original: float = 0.0,
              seconds: float = 1.0) -> None:
-    """The fill's loader reported ``written`` of ``expected`` bytes, its pack begun ``seconds`` ago."""
+    """The fill's loader reported ``written`` of ``expected`` bytes, and ``seconds`` pass on the
+    fills' clock, which then stands still: its pace is ``written / seconds`` since its first report."""
+    if not isinstance(fills.clock, _Clock):
+        fills.clock = _Clock()
     fills.progress(fill, written, expected, original)
-    fill.packing_since = time.monotonic() - seconds
+    fills.clock.now += seconds
 
 
 def _start(target, *args) -> threading.Thread:
@@ -290,11 +303,13 @@ def test_a_plain_load_is_weighed_at_what_the_loaders_original_took_when_less(tmp
     caplog.set_level(logging.INFO, LOG)
     fills = _fills(tmp_path)
     fill = fills.admit(KEY, background=True).fill
-    _packing(fills, fill, 64 * MB, 68 * MB)  # 1/16 to go: 0.06 s at its pace
+    _packing(fills, fill, 64 * MB, 68 * MB)  # 1/16 to go: 0.0625 s at 64 MB/s
     assert fills.join(KEY, 1.0, 4242) == 1.0  # sooner than the caller's plain load
-    _packing(fills, fill, 64 * MB, 68 * MB, original=0.05)
+    assert "0.06s left against a plain load of 1.00s (the last plain load)" in caplog.text
+    _packing(fills, fill, 64 * MB, 68 * MB, original=0.05, seconds=0.0)
     assert fills.join(KEY, 1.0, 4242) == 0.0  # not sooner than the loader's own call of the original
-    assert "against a plain load of 0.05s" in caplog.text
+    assert "0.06s left against a plain load of 0.05s (the loader's call of the original)" in caplog.text
+    assert fills.packing() == [{"key": KEY[:16], "written": 64 * MB, "expected": 68 * MB, "seconds": 1.0}]
 
 
 def test_a_fill_still_running_the_original_or_a_key_with_no_plain_time_is_not_joined(tmp_path, caplog):

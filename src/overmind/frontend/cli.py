@@ -152,7 +152,7 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
         return EXIT_OK
     first = ["pid", "version", "uptime", "entries", "used", "budget", "hits", "misses", "not_cacheable",
              "stale_misses", "evictions", "loading", "settling"]
-    special = ("bytes", "restore", "state", "ready", "file_segments")
+    special = ("bytes", "restore", "state", "ready", "file_segments", "packing")
     names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n not in special)
     rows = [(name, _format_value(name, info[name])) for name in names]
     if "restore" in info:
@@ -163,6 +163,9 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
         rows.append(("file segments", f"{human_bytes(files.get('bytes', 0))} served from model files; "
                      f"{files.get('settled', 0)} settled into sealed memory ({human_bytes(files.get('settled_bytes', 0))})"
                      + (f"; copying {human_bytes(copying[0])} of {human_bytes(copying[1])}" if copying else "")))
+    for fill in info.get("packing") or []:  # Note [Joining a fill] in overmind.server.fills
+        rows.append(("filling", f"{fill.get('key', '')}: {human_bytes(fill.get('written', 0))} of "
+                     f"{human_bytes(fill.get('expected', 0))} in place after {fill.get('seconds', 0):.1f}s"))
     state = info.get("state")
     if isinstance(state, dict):
         rows.append(("state", state.get("path", "") if state.get("kept") else f"not kept: {state.get('problem', '')}"))

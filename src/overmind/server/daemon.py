@@ -373,6 +373,7 @@ class Server:
         info["loaders"] = self.pool.describe()
         info["warm_retired"] = self.pool.retired
         info["settling"] = self.loads.settling()  # Note [Huge pages for segments] in overmind.shared.memfd
+        info["packing"] = self.loads.fills.packing()  # Note [Joining a fill] in overmind.server.fills
         info.update(self.registry.counters())  # after the fills': one no longer "loading" has its entry counted
         info["file_segments"] = {"bytes": self.registry.file_bytes(), "settled": self.settler.settled,  # Note [Settling file segments]
                                  "settled_bytes": self.settler.settled_bytes, "copying": self.settler.copying}

@@ -83,7 +83,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from overmind.shared import protocol as P
 from overmind.shared.config import Config
@@ -204,8 +204,10 @@ class Fills:
     """The fills in flight by key, who waits for them, and the failures they left. Its lock is its
     own; it takes the registry's inside it, never the other way round."""
 
-    def __init__(self, config: Config, registry: Registry, max_fills: int = MAX_FILLS) -> None:
+    def __init__(self, config: Config, registry: Registry, max_fills: int = MAX_FILLS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # what a fill's pace is timed by (Note [Joining a fill]); tests step their own
         self.registry = registry
         self.max_fills = max_fills
         self.lock = threading.Lock()
@@ -221,6 +223,13 @@ class Fills:
         with self.lock:
             return {"misses": self.misses, "loading": len(self.fills), "remembered_failures": len(self.failures),
                     "joined": self.joined}
+
+    def packing(self) -> list[dict]:
+        """The fills whose loader reports its pack (Note [Joining a fill]): how far each is."""
+        with self.lock:
+            return [{"key": fill.key[:16], "written": fill.written, "expected": fill.expected,
+                     "seconds": round(self.clock() - fill.packing_since, 3)}
+                    for fill in self.fills.values() if fill.packing_since]
 
     # -- admission and outcome ----------------------------------------------------------------
 
@@ -362,9 +371,13 @@ class Fills:
     def progress(self, fill: Fill, written: int, expected: int, original_seconds: float) -> None:
         """Its loader's report (``FillProgress``): ``written`` of ``expected`` bytes in place."""
         with self.lock:
-            if not fill.packing_since:
-                fill.packing_since = time.monotonic()
+            first = not fill.packing_since
+            if first:
+                fill.packing_since = self.clock()
             fill.written, fill.expected, fill.original_seconds = written, expected, original_seconds
+        if first:
+            logger.info("loader pid %d packs %s: %d MB expected; its call of the original took %.2fs",
+                        fill.pid, fill.key[:16], expected >> 20, original_seconds)
 
     # -- who waits for it: Note [Joining a fill] ------------------------------------------------
 
@@ -378,7 +391,7 @@ class Fills:
                 return None
             if fill.written >= fill.expected:  # all in place: the answer is on its way
                 return 0.0, fill
-            rate = fill.written / max(time.monotonic() - fill.packing_since, 1e-3)
+            rate = fill.written / max(self.clock() - fill.packing_since, 1e-3)
             return (fill.expected - fill.written) / rate, fill
 
     def join(self, key: str, plain: float | None, pid: int) -> float:
@@ -392,12 +405,13 @@ class Fills:
             logger.info("pid %d loads %s plainly: its fill has not begun to pack", pid, key[:16])
             return 0.0
         left, fill = progress
-        if fill.original_seconds:  # the imports the first caller's load did are done here too
-            plain = min(plain, fill.original_seconds)
+        weighed = "the last plain load"
+        if fill.original_seconds and fill.original_seconds < plain:  # the first caller's imports are done here too
+            plain, weighed = fill.original_seconds, "the loader's call of the original"
         joins = left <= plain
-        logger.info("pid %d %s the fill of %s: %d of %d MB in place, %.2fs left against a plain load of %.2fs",
+        logger.info("pid %d %s the fill of %s: %d of %d MB in place, %.2fs left against a plain load of %.2fs (%s)",
                     pid, "joins" if joins else "loads plainly beside", key[:16], fill.written >> 20,
-                    fill.expected >> 20, left, plain)
+                    fill.expected >> 20, left, plain, weighed)
         return plain if joins else 0.0
 
     def wait(self, fill: Fill, waiter: int, join: float = 0.0) -> bool:
