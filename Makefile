@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.overmind-installed
 
-.PHONY: venv demo test test-fast clean
+.PHONY: venv demo test clean
 
 venv: $(STAMP)
 
@@ -24,14 +24,11 @@ $(STAMP): pyproject.toml setup.py csrc/overmind.cpp
 demo: venv
 	$(VENV)/bin/overmind-bench --quick
 
+# Each test file whole on one worker (its server and models are built once per file); two
+# workers keep a 2-core machine busy without starving the servers the tests start.
+TEST_WORKERS ?= 2
 test: venv
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --timeout=600 tests
-
-# Two workers, each test file whole on one (746 s here against about 1100 s): not yet the default,
-# as two tests still race the machine's speed and lose more often under two workers
-# (test_cli's shutdown race, test_cold_priority's join weighing; issue 38 item 6).
-test-fast: venv
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --timeout=600 -n 2 --dist loadfile tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --timeout=600 -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf build src/*.egg-info src/overmind/_C*.so
