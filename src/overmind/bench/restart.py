@@ -17,11 +17,13 @@ interpreter learn); then for each way of stopping (``overmind shutdown``, SIGKIL
   warm interpreters: each refill starts as a first miss would), timed the same way
   (target: restore <= cold fill x 1.2).
 
-Then *a client during a restore* (``--contention-pairs N``, default 3; 0 skips it): a server
-whose state holds the ControlNet entries only is started, and as soon as its refills run, the
-LM script runs patched from the shell (its own model not cached: a first load); against the
-same run beside a server started with nothing to restore, in alternating pairs (target: at most
-1.10 x). Its restore and its fill share the machine with the client as any restore would.
+Then *the seed's script during a restore* (``--contention-pairs N``, default 3; 0 skips it): a
+server whose state holds the entries of both scripts over a copy of their models (5.7 GB at
+base scale: other files, so other entries) is started, and as soon as its refills run, the
+ControlNet script runs patched from the shell (its own models not cached: a first load);
+against the same run beside a server started with nothing to restore, in alternating pairs
+(target: at most 1.10 x). Its restore and its fill share the machine with the client as any
+restore would.
 
 Times are from the start of the process to its model ready (``ready``) and to its exit, as
 overmind.bench.whole measures them. One JSON document on stdout (or ``--json FILE``).
@@ -95,13 +97,31 @@ def _restart(server: BenchServer, stop: str, strip_learning: bool = False) -> di
     return {"seconds": seconds, "restore": server.status()["restore"]}
 
 
-def _scripts(scale: str, prefix: str) -> Path:
-    """A new folder holding SCRIPT_NAMES' scripts, their models generated at ``scale`` if need be."""
+def _scripts(scale: str, prefix: str, copies: bool = False) -> Path:
+    """A new folder holding SCRIPT_NAMES' scripts, their models generated at ``scale`` if need be;
+    with ``copies``, over copies of those models (``_copies``)."""
     paths = ensure_models(default_cache_dir(), scale, sorted({m for n in SCRIPT_NAMES for m in SCRIPTS[n].models}))
+    if copies:
+        paths = _copies(paths)
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     for name in SCRIPT_NAMES:
         (folder / f"{name}.py").write_text(script_source(name, paths))
     return folder
+
+
+def _copies(paths: dict) -> dict:
+    """The same models at other paths (``<model>-copy`` beside each, made once): the same bytes,
+    other files, so other cache entries, for a restore that holds none of the client's."""
+    out = {}
+    for name, path in paths.items():
+        folder = path if path.is_dir() else path.parent
+        copy, done = folder.with_name(folder.name + "-copy"), folder.with_name(folder.name + "-copy.done")
+        if not done.exists():
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(folder, copy)
+            done.touch()
+        out[name] = copy if path.is_dir() else copy / path.name
+    return out
 
 
 def run(scale: str, stops: list, say) -> dict:
@@ -166,18 +186,22 @@ def _until_refilling(server: BenchServer, timeout: float = 120.0) -> None:
 
 
 def client_during_restore(scale: str, pairs: int, say) -> dict:
-    """The LM script, patched, its model not cached, run at once beside a server that restores the
-    ControlNet entries, against beside one with nothing to restore, in alternating pairs."""
+    """The seed's (ControlNet) script, patched, its models not cached, run at once beside a server
+    that restores both scripts' entries over copies of the models, against beside one with
+    nothing to restore, in alternating pairs."""
     folder = _scripts(scale, "om-bench-restore-client-")
+    learned = _scripts(scale, "om-bench-restore-learned-", copies=True)
     server = BenchServer.start()
     state, kept = server.runtime_dir / "state", folder / "state-kept"
     patched_env = server.client_env({"OVERMIND": "1"})
     timed: dict = {"restoring": [], "nothing": []}
     restores: dict = {"restoring": [], "nothing": []}  # the restore's state as each client exited
     try:
-        for _ in range(2):  # what the restore will refill: the ControlNet entries, learned
-            _time([sys.executable, "controlnet.py"], patched_env, str(folder))
-            server.wait_idle()
+        for name in SCRIPT_NAMES:  # what the restore will refill: both scripts' entries, learned
+            for _ in range(2):
+                _time([sys.executable, f"{name}.py"], patched_env, str(learned))
+                server.wait_idle()
+        restored_bytes = server.status()["used"]
         time.sleep(3)  # one save at least (SAVE_INTERVAL)
         server.stop(remove=False)
         _wait_gone(server.pid)
@@ -190,19 +214,21 @@ def client_during_restore(scale: str, pairs: int, say) -> dict:
                 server.launch()
                 if case == "restoring":
                     _until_refilling(server)
-                t = _time([sys.executable, "lm.py"], patched_env, str(folder))
+                t = _time([sys.executable, "controlnet.py"], patched_env, str(folder))
                 restore = server.status()["restore"]
                 timed[case].append(t["exit"])
                 restores[case].append(restore["state"])
-                say(f"client during a restore: lm patched beside {case}: exit {t['exit']:.2f}s (restore {restore})")
+                say(f"client during a restore: controlnet patched beside {case}: exit {t['exit']:.2f}s (restore {restore})")
                 server.wait_idle()
                 server.stop(remove=False)
                 _wait_gone(server.pid)
     finally:
         server.stop()
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(learned, ignore_errors=True)
     medians = {case: statistics.median(v) for case, v in timed.items()}
-    return {"pairs": pairs, "exit_seconds": timed, "restore_states": restores, "median_seconds": medians,
+    return {"pairs": pairs, "client": "controlnet", "restored_bytes": restored_bytes, "exit_seconds": timed,
+            "restore_states": restores, "median_seconds": medians,
             "ratio": medians["restoring"] / medians["nothing"]}
 
 
