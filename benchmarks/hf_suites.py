@@ -184,11 +184,11 @@ class PrivateServer:
 
     def counters(self) -> Optional[dict]:
         from overmind.shared import protocol as P
-        from overmind.client.connection import Connection
+        from overmind.client.connection import LoadingConnection
         from overmind.shared.config import Config
 
         try:
-            with Connection.open(Config.from_env(self.env), autostart=False) as conn:
+            with LoadingConnection.open(Config.from_env(self.env), autostart=False) as conn:
                 info = conn.simple(P.Status(), P.StatusReply, timeout=10).info
         except Exception as err:
             return {"error": str(err)}

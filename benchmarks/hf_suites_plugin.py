@@ -90,10 +90,10 @@ def _server_counters() -> Optional[dict]:
     """hits/misses/uncacheable... from the private server, or None if it cannot be asked."""
     try:
         from overmind.shared import protocol as P
-        from overmind.client.connection import Connection
+        from overmind.client.connection import LoadingConnection
         from overmind.shared.config import Config
 
-        conn = Connection.open(Config.from_env(), autostart=False)
+        conn = LoadingConnection.open(Config.from_env(), autostart=False)
         try:
             info = conn.simple(P.Status(), P.StatusReply, timeout=10).info
         finally:

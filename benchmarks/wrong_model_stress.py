@@ -69,12 +69,12 @@ mapped: list[tuple[int, int]] = []
 
 
 def record_mappings() -> None:
-    """Record every segment mapping ``Connection.map_segments`` hands back."""
+    """Record every segment mapping ``LoadingConnection.map_segments`` hands back."""
     import ctypes
 
-    from overmind.client.connection import Connection
+    from overmind.client.connection import LoadingConnection
 
-    original = Connection.map_segments
+    original = LoadingConnection.map_segments
 
     def map_segments(self, *args, **kwargs):
         mappings = original(self, *args, **kwargs)
@@ -84,7 +84,7 @@ def record_mappings() -> None:
                 mapped.append((ctypes.addressof(view), len(m)))
                 del view
         return mappings
-    Connection.map_segments = map_segments
+    LoadingConnection.map_segments = map_segments
 
 
 def served_by_cache(obj) -> bool:
@@ -110,17 +110,17 @@ def loader(api: str):
 
 def widen(ms: float) -> None:
     """Sleep up to ``ms`` between the Entry reply and the segment opens (fault injection)."""
-    from overmind.client.connection import Connection
+    from overmind.client.connection import LoadingConnection
 
-    original = getattr(Connection, "map_segments", None)
+    original = getattr(LoadingConnection, "map_segments", None)
     if original is None:
-        print("wrong_model_stress: no Connection.map_segments; --widen-ms has no effect", file=sys.stderr)
+        print("wrong_model_stress: no LoadingConnection.map_segments; --widen-ms has no effect", file=sys.stderr)
         return
 
     def map_segments(self, *args, **kwargs):
         time.sleep(random.uniform(0, ms / 1e3))
         return original(self, *args, **kwargs)
-    Connection.map_segments = map_segments
+    LoadingConnection.map_segments = map_segments
 
 
 def worker(args: argparse.Namespace, index: int, count: int, paths: list[str], digests: list[str]) -> None:
@@ -198,7 +198,7 @@ def main() -> int:
         from overmind import modelgen
         from overmind.bench.harness import BenchServer
         from overmind.shared import protocol as P
-        from overmind.client.connection import Connection
+        from overmind.client.connection import LoadingConnection
         from overmind.shared.config import Config
 
         hf_logging.disable_progress_bar()
@@ -235,7 +235,7 @@ def main() -> int:
         evicted = [0, 0]  # Evict(all) requests, entries they dropped
 
         def evictor() -> None:
-            with Connection.open(config, role="cli", autostart=False) as conn:
+            with LoadingConnection.open(config, role="cli", autostart=False) as conn:
                 while not stop.wait(random.uniform(0, 2 * args.evict_every)):
                     evicted[0] += 1
                     evicted[1] += len(conn.simple(P.Evict(all=True), P.Evicted).keys)
@@ -285,7 +285,7 @@ def main() -> int:
         stop.set()
         if ev.is_alive():
             ev.join(timeout=10)
-        with Connection.open(config, role="cli", autostart=False) as conn:
+        with LoadingConnection.open(config, role="cli", autostart=False) as conn:
             status = conn.simple(P.Status(), P.StatusReply).info
         failed = {i: p.returncode for i, p in enumerate(procs) if p.returncode != 0}
         for i in failed:

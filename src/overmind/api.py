@@ -16,7 +16,7 @@ instead of falling back to a plain load), ``OVERMIND_TIMEOUT`` (seconds),
 
 Note [Never worse than no cache]
 If anything on the cache path fails (no server, a timeout, a garbled reply, a result
-that cannot be cached), the original loader runs in the calling process and one warning
+that cannot be cached), the original load function runs in the calling process and one warning
 per process says why. If patching itself fails, ``monkey_patch_all()`` undoes it, warns
 and returns: the script runs as plain python. A call whose arguments cannot be keyed
 (``overmind.shared.calls``) goes straight to the original without a warning, and so does
@@ -64,12 +64,12 @@ DEFAULT_PATCH_POINTS = (
     "torch::load",
     "torch.jit::load",
     "safetensors.torch::load_file",
-    # Compiled models: handed over from the warm interpreter, never cached in segments (overmind.client.aoti).
+    # Compiled models: handed over from the warm interpreter, never cached in segments (overmind.client.compiled).
     "torch._inductor::aoti_load_package",
     "torch._export::aot_load",
 )
 CONFIG_FILE = "overmind.cfg"
-_AOTI_POINTS = DEFAULT_PATCH_POINTS[-2:]  # overmind.shared.packages.POINTS, without importing it at start-up
+_AOTI_POINTS = DEFAULT_PATCH_POINTS[-2:]  # overmind.shared.compiled.POINTS, without importing it at start-up
 
 
 def load(fn: Callable, *args, **kwargs) -> Any:
@@ -106,10 +106,10 @@ def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod
         # torch just became importable: overlap our torch-side imports with the script's.
         _warmed = True
         threading.Thread(target=_warm_up, daemon=True, name="overmind-warm-up").start()
-    if str(point) in _AOTI_POINTS:  # Note [AOTInductor packages are handed over] in overmind.shared.packages
+    if str(point) in _AOTI_POINTS:  # Note [AOTInductor packages are handed over] in overmind.shared.compiled
         @functools.wraps(original)
         def aoti_wrapper(*args, **kwargs):
-            from overmind.client.aoti import call
+            from overmind.client.compiled import call
 
             return call(str(point), original, args, kwargs)
 
@@ -208,13 +208,13 @@ def _prepare() -> None:
     overlapping the loader's start-up with the script's own imports."""
     try:
         from overmind.client import cache
-        from overmind.client.connection import Connection
+        from overmind.client.connection import LoadingConnection
         from overmind.shared import protocol as P
         from overmind.shared.config import Config
         from overmind.shared.contexts import caller_context, in_warm_run
 
         config = Config.from_env()
-        conn = Connection.open(config)
+        conn = LoadingConnection.open(config)
         if not in_warm_run():  # a forked run's interpreter serves its context already
             # Note [A run's interpreter imports under the run's environment] in overmind.server.pool:
             # an interpreter this starts imports under this process's environment, as the run's would.

@@ -71,10 +71,10 @@ class ServerProcess:
 
     def status(self) -> dict:
         from overmind.shared import protocol as P
-        from overmind.client.connection import Connection
+        from overmind.client.connection import LoadingConnection
         from overmind.shared.config import Config
 
-        with Connection.open(Config.from_env(self.env), role="cli", autostart=False) as conn:
+        with LoadingConnection.open(Config.from_env(self.env), role="cli", autostart=False) as conn:
             return conn.simple(P.Status(), P.StatusReply).info
 
     def wait_idle(self, timeout: float = 180.0) -> dict:
@@ -83,7 +83,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             status = self.status()
-            if (status["loading"] == 0 and status["settling"] == 0) or time.monotonic() > deadline:
+            if (status["loading"] == 0 and status["loaders_exiting"] == 0) or time.monotonic() > deadline:
                 return status
             time.sleep(0.1)
 

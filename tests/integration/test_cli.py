@@ -88,7 +88,7 @@ def test_status_json_on_fresh_server_reports_its_pid_and_zero_counters(server):
     assert (info["entries"], info["hits"], info["misses"]) == (0, 0, 0)
     assert info["torch_imported"] is False
     # The server's info dict as is, plus the huge-page report the CLI reads itself.
-    assert info == {**server.status(), "uptime": info["uptime"], "loaders": info["loaders"],
+    assert info == {**server.status(), "uptime": info["uptime"], "interpreters": info["interpreters"],
                     "peers": info["peers"], "huge_pages": info["huge_pages"]}
     assert info["peers"] == {"cli": 1}  # this connection; status() above made the next
     _check_huge_pages(info["huge_pages"], settings)

@@ -1,6 +1,6 @@
 """Compiled code under ``overmind run``: ``torch.compile`` scripts start from an interpreter that
 holds the compile stack and Inductor's probe answers; AOTInductor packages are handed over;
-nothing was started that a fork breaks (Notes in overmind.warm.compiled and overmind.client.aoti).
+nothing was started that a fork breaks (Notes in overmind.warm.compiled and overmind.client.compiled).
 
 Real server, real front end, real ``torch.compile`` (a tiny MLP, Inductor's caches in a folder of
 this module's) and a real AOTInductor package.
@@ -47,9 +47,9 @@ AOTI = MODEL + """
 import json, sys
 import overmind.api
 overmind.api.monkey_patch_all()
-import overmind.shared.packages
+import overmind.shared.compiled
 runner = torch._inductor.aoti_load_package(sys.argv[1])
-handed = bool(overmind.shared.packages._handed)
+handed = bool(overmind.shared.compiled._handed)
 with torch.no_grad():
     print(json.dumps({"handed": handed, "out": runner(example).tolist(), "type": type(runner).__name__}))
 """

@@ -7,7 +7,7 @@ return the same model, warn exactly once per process, and stay bounded in time;
 ``OVERMIND_STRICT=1`` turns each fallback into an ``OvermindError``.
 
 On a miss the client normally loads plainly while the server caches behind it (Note
-[Cold loads run behind the caller] in overmind.server.cold_loads); scenarios about a client that
+[Cold loads run behind the caller] in overmind.server.loads); scenarios about a client that
 *waits* for the cache set ``OVERMIND_COLD=wait``.
 """
 
@@ -156,12 +156,12 @@ def _no_server_env(runtime_dir: Path, **extra: str) -> dict:
 
 def _status(runtime_dir: Path, idle: bool = True) -> dict:
     """The server's status; with ``idle``, once no load is in flight (cold loads finish behind callers)."""
-    from overmind.client.connection import Connection
+    from overmind.client.connection import LoadingConnection
     from overmind.shared.config import Config
 
     config = Config.from_env(child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir)))
     deadline = time.monotonic() + 120
-    with Connection.open(config, role="cli", autostart=False) as conn:
+    with LoadingConnection.open(config, role="cli", autostart=False) as conn:
         while True:
             info = conn.simple(P.Status(), P.StatusReply).info
             if not idle or info["loading"] == 0 or time.monotonic() > deadline:
@@ -549,7 +549,7 @@ def test_loader_crash_is_reported_and_the_server_survives(server, tmp_path):
     # A death is tried again (Note [Only deterministic failures are remembered] in overmind.server.fills),
     # up to MAX_DEATHS in a row: the three calls start at most three loads.
     assert server.proc.poll() is None and status["entries"] == 0 and 1 <= status["misses"] <= 3, status
-    assert all(z["alive"] for z in status["loaders"]), status["loaders"]  # only the forked child died
+    assert all(z["alive"] for z in status["interpreters"]), status["interpreters"]  # only the forked child died
 
 
 # -- single flight ---------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from overmind.shared.reductions import unpack
 safetensors.torch.load_file({path!r})  # strict + wait: the entry exists afterwards
 config = Config.from_env()
 call = encode_call(Target("module", "safetensors.torch", "load_file", None), ({path!r},), {{}}, lambda o: None)
-with client.Connection.open(config) as conn:
+with client.LoadingConnection.open(config) as conn:
     entry, skeleton = conn.load(P.Load(call.key, "t", "d", {{}}, lookup_only=True), b"")
     mappings = conn._map_received(entry)  # the SCM_RIGHTS path, as when /proc is refused
     state = unpack(skeleton, mappings)

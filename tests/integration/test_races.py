@@ -34,7 +34,7 @@ from transformers import LlamaForCausalLM
 from overmind.shared import protocol as P
 from overmind.shared.contexts import caller_context
 from overmind.shared.calls import Target, encode_call
-from overmind.client.connection import Connection, SegmentChanged, _slot_handles
+from overmind.client.connection import LoadingConnection, SegmentChanged, _slot_handles
 from overmind.shared.config import Config
 
 path_a, path_b, rounds, via = ARGS
@@ -59,7 +59,7 @@ plain["b"] = weights(LlamaForCausalLM.from_pretrained(path_b))
 del os.environ["OVERMIND_DISABLE"]
 
 results = []
-with Connection.open(config) as conn, Connection.open(config, role="cli") as admin:
+with LoadingConnection.open(config) as conn, LoadingConnection.open(config, role="cli") as admin:
     for _ in range(rounds):
         fill(conn, a)
         reply, skeleton = fill(conn, a)                      # 1. the reply for A (a hit)

@@ -125,7 +125,7 @@ def test_a_fresh_server_refills_what_the_last_one_served_and_the_next_load_hits(
         assert restore["state"] == "done" and restore["entries_done"] == 1 and restore["entries_pending"] == 0
         assert restore["bytes_done"] > 0 and restore["interpreters_ready"] >= 1
         assert status["entries"] == 1 and status["misses"] == 0  # a refill is no client's miss
-        assert any(z["ready"] for z in status["loaders"])  # the context's interpreter is warm again
+        assert any(z["ready"] for z in status["interpreters"])  # the context's interpreter is warm again
         assert _hit(second, lm) == weights
         assert last_json(run_python(PLAIN_LM.format(path=str(lm)))) == weights
     finally:

@@ -59,7 +59,7 @@ def _runs(server) -> int:
 def _wait_warm(server, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(z["ready"] for z in server.status()["loaders"]):
+        if any(z["ready"] for z in server.status()["interpreters"]):
             return
         time.sleep(0.1)
     raise AssertionError(f"no warm interpreter after {timeout}s: {server.status()['loaders']}")
@@ -384,7 +384,7 @@ def test_status_lists_the_warm_interpreters(warm_server):
     out = warm_server.cli("status").stdout
     line = next(line for line in out.splitlines() if line.startswith("WARM PID"))
     assert "MODULES" in line and "PSS" in line and "AGE" in line
-    info = warm_server.status()["loaders"][0]
+    info = warm_server.status()["interpreters"][0]
     assert info["ready"] and info["modules"] > 100 and info["pss"] > 0 and info["runs"] >= 1
 
 

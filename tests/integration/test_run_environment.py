@@ -138,7 +138,7 @@ def test_the_first_run_of_a_context_starts_an_interpreter_under_its_settings_so_
         runs = _until_warm_and_held(server, [str(script)], spicy, tmp_path,
                                     lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
         assert all(forked for forked, _ in runs), f"a run went plain on the way: {runs}\n{server.log()[-3000:]}"
-        assert len([z for z in server.status()["loaders"] if z["alive"]]) == 1, server.status()["loaders"]
+        assert len([z for z in server.status()["interpreters"] if z["alive"]]) == 1, server.status()["interpreters"]
     finally:
         server.stop()
         shutil.rmtree(runtime, ignore_errors=True)
@@ -155,10 +155,10 @@ class _Autostarted:
 
     def status(self) -> dict:
         from overmind.shared import protocol as P
-        from overmind.client.connection import Connection
+        from overmind.client.connection import LoadingConnection
         from overmind.shared.config import Config
 
-        with Connection.open(Config.from_env(self.env), role="cli", autostart=False) as conn:
+        with LoadingConnection.open(Config.from_env(self.env), role="cli", autostart=False) as conn:
             return conn.simple(P.Status(), P.StatusReply).info
 
     def log(self) -> str:
@@ -226,7 +226,7 @@ def test_a_load_forked_from_an_interpreter_a_run_started_sees_its_contexts_envir
                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert json.loads(proc.stdout) == {"value": None}, server.log()[-3000:]  # the loader's answer, waited for
-        assert len([z for z in server.status()["loaders"] if z["alive"]]) == 1, server.status()["loaders"]
+        assert len([z for z in server.status()["interpreters"] if z["alive"]]) == 1, server.status()["interpreters"]
     finally:
         server.stop()
         shutil.rmtree(runtime, ignore_errors=True)

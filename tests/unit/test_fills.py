@@ -25,7 +25,7 @@ from overmind.shared import protocol as P
 from overmind.shared.config import Config
 from overmind.shared.memfd import Segment
 from overmind.server import fills as F
-from overmind.server.cold_loads import ColdLoads
+from overmind.server.loads import Loads
 from overmind.server.fills import Fills
 from overmind.server.pool import LoadFailure, WarmPool
 from overmind.server.programs import ProgramHistory
@@ -44,11 +44,11 @@ def _fills(tmp_path, max_fills: int = F.MAX_FILLS, **values) -> Fills:
     return Fills(_config(tmp_path, **values), Registry(budget=1 << 30), max_fills)
 
 
-def _loads(tmp_path, **values) -> ColdLoads:
+def _loads(tmp_path, **values) -> Loads:
     """Cold loads over a pool that starts nothing: each test starts its fills itself (``admit``),
     so no loader runs; what a loader would do, the test does."""
     config = _config(tmp_path, **values)
-    return ColdLoads(config, Registry(budget=1 << 30), WarmPool(config), ProgramHistory())
+    return Loads(config, Registry(budget=1 << 30), WarmPool(config), ProgramHistory())
 
 
 def _request(tmp_path, key: str = KEY, **fields) -> P.Load:

@@ -4,7 +4,7 @@
 No side imports another side's modules; the warm interpreter may import ``overmind.api``, the
 public face its runs will use.
 
-Note [The loader is handed its references] in overmind.server.cold_loads: a loader gets the entries
+Note [The loader is handed its references] in overmind.server.loads: a loader gets the entries
 its call refers to from the server, so neither it nor the server imports the user API or the
 client's connection code. The runtime checks run in a fresh interpreter; the static ones read
 every import of every module, those inside functions too. No module of overmind reaches itself

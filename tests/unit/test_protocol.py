@@ -68,7 +68,7 @@ def test_message_type_codes_never_change():
         20: "Status", 21: "StatusReply", 22: "ListEntries", 23: "EntryList", 24: "Evict", 25: "Evicted",
         26: "Shutdown", 27: "Ok", 28: "Prepare",
         30: "Run", 31: "RunRefused", 32: "RunStarted", 33: "RunExited",
-        40: "LoaderReady", 41: "Job", 42: "JobStarted", 43: "JobResult", 44: "JobFailed", 45: "Warm", 46: "Fork",
+        40: "InterpreterReady", 41: "Job", 42: "JobStarted", 43: "JobResult", 44: "JobFailed", 45: "Warm", 46: "Fork",
         47: "Retire", 48: "FillProgress", 49: "Unforkable",
     }
     assert {cls.__name__ for cls in P.MESSAGE_TYPES.values() if cls.WITH_BLOB} == {"Load", "Entry", "Contents", "EntryList", "Job",
@@ -124,7 +124,7 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.RunRefused(reason="no warm interpreter for this context yet"), b""),
     (P.RunStarted(pid=77), b""),
     (P.RunExited(status=256), b""),
-    (P.LoaderReady(pid=3, imported=["torch"], refused=["threading_lib"]), b""),
+    (P.InterpreterReady(pid=3, imported=["torch"], refused=["threading_lib"]), b""),
     (P.Warm(modules=["torch", "diffusers"], refused=["threader"]), b""),
     (P.Warm(modules=[], packages=[{"point": "torch._export::aot_load", "path": "/m/a.so", "kwargs": {"device": "cpu"}}]),
      b""),

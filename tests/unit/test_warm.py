@@ -1,4 +1,4 @@
-"""overmind.warm.child: a child forked from a warm zygote behaves as a fresh `python SCRIPT` would.
+"""overmind.warm.script: a child forked from a warm zygote behaves as a fresh `python SCRIPT` would.
 
 Real processes only. One driver interpreter per module plays the zygote: it imports torch and
 numpy, leaves behind the state a zygote may have (seeded RNGs, signal handlers, a blocked
@@ -26,13 +26,13 @@ from typing import Callable
 
 import pytest
 
-from overmind.warm import child as warm
+from overmind.warm import script as warm
 
 DRIVER = r"""
 import gc, json, os, random, signal, socket, sys
 os.chdir("/")                     # a zygote's cwd, before torch imports multiprocessing
 import numpy, torch               # what a zygote has already imported
-from overmind.warm import child as warm
+from overmind.warm import script as warm
 
 # What a zygote may leave behind; no run may inherit any of it.
 random.seed(0); numpy.random.seed(0); torch.manual_seed(0)
@@ -533,7 +533,7 @@ def test_installed_modules_keeps_stdlib_and_site_packages_but_no_user_code(tmp_p
     names = warm.installed_modules()
     assert {"json", "sys", "_io", "pytest", "_pytest.python"} <= set(names)
     # overmind is installed editable from src/: by definition outside every installed prefix.
-    assert not {"overmind", "overmind.warm.child", "user_module", "pythonpath_module", "__main__"} & set(names)
+    assert not {"overmind", "overmind.warm.script", "user_module", "pythonpath_module", "__main__"} & set(names)
     assert names.index("_pytest") < names.index("_pytest.python")  # import order
 
 
@@ -543,7 +543,7 @@ def test_installed_modules_at_a_warm_runs_exit_never_lists_modules_beside_its_sc
     write(tmp_path / "prefix" / "scripts" / "helper.py", "")
     write(tmp_path / "prefix" / "scripts" / "main.py", f"""\
         import atexit, helper, json
-        from overmind.warm import child as warm
+        from overmind.warm import script as warm
         atexit.register(lambda: print(json.dumps(warm.installed_modules(prefixes=({str(tmp_path / "prefix")!r},)))))
         """)
     (tmp_path / "cwd").mkdir()

@@ -341,7 +341,7 @@ def _run(args: argparse.Namespace, argv: list[str], plan: Plan, extra: dict, sta
     try:
         say(f"private overmind-server pid {server.pid} in {server.runtime_dir}; worker logs in {log_dir}")
         runner = Runner(plan, {}, server, log_dir, cwd=os.getcwd(), echo=say, switch=switch)
-        # The server's loader starts while models are generated (Runner.prestart).
+        # The server's warm interpreter starts while models are generated (Runner.prestart).
         prestart = None
         if plan.quick and plan.memory_cases:
             runner.start_holders_early()  # they ask for it too
@@ -428,14 +428,14 @@ def _warmup_curve(plan: Plan, paths: dict, log_dir: Path, say, switch: Optional[
 
 
 def _close_prestart(runner: Runner, worker, timeout: float = 60.0) -> None:
-    # Its only job is monkey_patch_all()'s background request for a loader.
+    # Its only job is monkey_patch_all()'s background request for a warm interpreter.
     deadline = time.monotonic() + timeout
     try:
         worker.wait_ready()
-        while not runner.loaders_started() and time.monotonic() < deadline:
+        while not runner.interpreters_started() and time.monotonic() < deadline:
             time.sleep(0.1)
     except BenchError:
-        pass  # the timed runs start a loader anyway
+        pass  # the timed runs start one anyway
     finally:
         worker.close()
 

@@ -12,7 +12,7 @@ The model (:data:`CONFIG`, random weights from a fixed seed): ``torch.nn.Transfo
   "plain python's second run" means);
 - ``aoti_block.py``: ``torch._inductor.aoti_load_package(block.pt2)(x)``, the package made once
   by ``aoti_compile_and_package`` beforehand. It calls ``monkey_patch_all()`` when ``OVERMIND=1``
-  (the ``overmind run`` mode), so its load is a patch point (overmind.client.aoti).
+  (the ``overmind run`` mode), so its load is a patch point (overmind.client.compiled).
 
 For each script, against a fresh server: ``overmind run`` runs 1 to 5 back to back (run 1 has no
 warm interpreter yet and goes plain; the server learns from it), then ``--whole-runs`` pairs of

@@ -211,13 +211,13 @@ class BenchServer:
 
     def wait_idle(self, timeout: float = JOB_TIMEOUT) -> dict:
         """Cold loads finish behind the caller (Note [Cold loads run behind the caller] in
-        overmind.server.cold_loads): the next run must not share the machine with a cache fill, nor with
+        overmind.server.loads): the next run must not share the machine with a cache fill, nor with
         a loader still rebuilding its segments out of huge pages (Note [Huge pages for segments]
         in overmind.shared.memfd), and a warm load measures the segments as they stay."""
         deadline = time.monotonic() + timeout
         while True:
             status = self.status()
-            if status.get("loading", 0) == 0 and status.get("settling", 0) == 0:
+            if status.get("loading", 0) == 0 and status.get("loaders_exiting", 0) == 0:
                 return status
             if time.monotonic() > deadline:
                 raise BenchError(f"the server is still loading after {timeout:.0f} s: {status}")
@@ -366,7 +366,7 @@ def startup_overhead(repeats: int) -> dict:
     """What ``import overmind.api; monkey_patch_all()`` adds to a fresh interpreter.
 
     The runtime dir is empty: the background prestart request finds no server (and starts
-    none), so this neither reaches the user's server nor adds a loader to the bench's."""
+    none), so this neither reaches the user's server nor adds a warm interpreter to the bench's."""
     empty = tempfile.mkdtemp(prefix="om-bench-empty-", dir="/tmp")
     env = base_env({"OVERMIND_NO_AUTOSTART": "1", "OVERMIND_RUNTIME_DIR": empty})
 

@@ -4,9 +4,9 @@
 
 Modes, each a fresh process (:mod:`overmind.bench.worker`):
 
-- ``plain``: ``OVERMIND_DISABLE=1``, the libraries' own loaders;
+- ``plain``: ``OVERMIND_DISABLE=1``, the libraries' own load functions;
 - ``cold``: overmind after ``overmind evict --all``: a miss (by default the caller runs the
-  original loader while the server fills the cache behind it);
+  original load function while the server fills the cache behind it);
 - ``warm``: overmind, every call a hit;
 - ``first`` (only when asked for): cold on a server started just before, no loader ready.
 
@@ -239,7 +239,7 @@ class Runner:
         try:
             for w in workers:
                 w.wait_ready()
-            self.wait_loaders_ready()
+            self.wait_interpreters_ready()
             for mode in ("plain", "overmind"):
                 for w in workers:
                     w.request({"op": "unpatch" if mode == "plain" else "patch"})
@@ -269,7 +269,7 @@ class Runner:
     def start_holders_early(self) -> None:
         """Note [Early holders]: the memory scenario's workers spend seconds importing and
         then wait, idle, until the memory scenario; ``--quick`` starts them first, beside
-        model generation and the server's loader start-up (which they ask for), instead of
+        model generation and the server's warm interpreter start-up (which they ask for), instead of
         after the timed runs. A full run does not: K idle holders would sit on memory for
         minutes, and a separate :meth:`prestart` gets the loader started."""
         for scenario in self.plan.memory_cases:
@@ -300,22 +300,22 @@ class Runner:
         return result, replies[0]["tensor_bytes"]
 
     def prestart(self) -> Worker:
-        """Get the server's loader for the workers' context started now, while models are
+        """Get the server's warm interpreter for the workers' context started now, while models are
         generated: a warm interpreter importing torch beside a timed worker would slow it (its import
         time most). monkey_patch_all() asks for it in the background; close the returned
-        worker once :meth:`loaders_started` says the request arrived."""
+        worker once :meth:`interpreters_started` says the request arrived."""
         worker = Worker(self.env("warm"), [], self.log_dir, "prestart", cwd=self.cwd)
         return worker
 
-    def loaders_started(self) -> bool:
-        return bool(self.server.status().get("loaders"))
+    def interpreters_started(self) -> bool:
+        return bool(self.server.status().get("interpreters"))
 
-    def wait_loaders_ready(self, timeout: float = 300.0) -> None:
+    def wait_interpreters_ready(self, timeout: float = 300.0) -> None:
         # A warm interpreter still importing must not land between two measurements.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            loaders = self.server.status().get("loaders") or []
-            if all(isinstance(z, dict) and z.get("ready") for z in loaders):
+            interpreters = self.server.status().get("interpreters") or []
+            if all(isinstance(z, dict) and z.get("ready") for z in interpreters):
                 return
             time.sleep(0.2)
 
@@ -327,7 +327,7 @@ class Runner:
                 worker.wait_ready()  # early holders (Note [Early holders]): imported before anything is timed
             except BenchError:
                 pass  # the memory scenario reports it
-        self.wait_loaders_ready()
+        self.wait_interpreters_ready()
         self.timing()
         memory = [self.memory(s) for s in self.plan.memory_cases]
         return {"scenarios": self.results, "memory": memory}

@@ -262,7 +262,7 @@ class WholeProcess:
         mode]) are in ``problems``."""
         self.wait_quiet()
         before = self.server.status()
-        contexts = {z.get("context") for z in before.get("loaders") or []}
+        contexts = {z.get("context") for z in before.get("interpreters") or []}
         argv = argv or self.argv(script, mode)
         start = time.monotonic()
         proc = subprocess.Popen(argv, cwd=self.dir, env=env or self.env(mode), stdin=subprocess.DEVNULL,
@@ -299,7 +299,7 @@ class WholeProcess:
         want = 0 if mode == "plain" else script.loads
         if (run["hits"], run["misses"]) != (want, 0):
             problems.append(f"{run['hits']} hits and {run['misses']} misses, not {want} and 0")
-        if mode == "first_run" and not {z.get("context") for z in after.get("loaders") or []} - contexts:
+        if mode == "first_run" and not {z.get("context") for z in after.get("interpreters") or []} - contexts:
             problems.append("the server started no interpreter for the new context")
         if mode != "plain" and FALLBACK_MARK in err:
             problems.append(next(ln for ln in err.splitlines() if FALLBACK_MARK in ln).strip())
@@ -320,8 +320,8 @@ class WholeProcess:
             last = now
             if calm >= 4:
                 status = self.server.status()
-                loaders = status.get("loaders") or []
-                if status.get("loading", 0) == 0 and all(z.get("ready") for z in loaders):
+                interpreters = status.get("interpreters") or []
+                if status.get("loading", 0) == 0 and all(z.get("ready") for z in interpreters):
                     return
                 calm = 0
         self.echo(f"whole process: the server was still busy after {timeout:.0f} s; timing anyway")

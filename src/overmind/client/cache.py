@@ -79,7 +79,7 @@ _server_down_until = 0.0
 
 
 def _connection(config: "Config"):
-    from overmind.client.connection import Connection
+    from overmind.client.connection import LoadingConnection
 
     global _spare
     conn = getattr(_local, "conn", None)
@@ -87,7 +87,7 @@ def _connection(config: "Config"):
         with _spare_lock:
             conn, _spare = (_spare, None) if _spare is not None and _spare.config == config else (None, _spare)
         if conn is None:
-            conn = Connection.open(config)
+            conn = LoadingConnection.open(config)
         _local.conn = conn
     return conn
 
@@ -147,14 +147,14 @@ def _rebuild(conn, reply, skeleton: bytes, references: dict, meta) -> Any:
 def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] = None) -> Any:
     """Rebuild an existing entry by key: an entry a hit refers to (its ``vae=vae`` arguments)."""
     from overmind.shared import protocol as P
-    from overmind.client.connection import Connection
+    from overmind.client.connection import LoadingConnection
     from overmind.shared.config import Config
 
     config = Config.from_env()
     if holder is not None and holder:
         conn = holder[0]
     else:
-        conn = Connection.open(config, role="client", autostart=False)
+        conn = LoadingConnection.open(config, role="client", autostart=False)
         if holder is not None:
             holder.append(conn)
     seen = {} if _seen is None else _seen

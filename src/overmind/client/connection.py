@@ -1,6 +1,6 @@
 """Loading from overmind-server: the answer to a ``Load``, and the mapping of its segments.
 
-    with Connection.open(Config.from_env()) as conn:
+    with LoadingConnection.open(Config.from_env()) as conn:
         reply, skeleton = conn.load(request, blob)
         mappings = conn.map_segments(reply)
 
@@ -46,7 +46,7 @@ from overmind.shared.memfd import Segment
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Connection", "ServerUnavailable", "CachePending", "SegmentChanged", "StaleConnection", "start_server",
+__all__ = ["LoadingConnection", "ServerUnavailable", "CachePending", "SegmentChanged", "StaleConnection", "start_server",
            "server_holding", "START_TIMEOUT", "unreadable"]
 
 
@@ -55,7 +55,7 @@ class SegmentChanged(Exception):
 
 
 class CachePending(Exception):
-    """A miss being loaded in the background (Note [Cold loads run behind the caller] in overmind.server.cold_loads)."""
+    """A miss being loaded in the background (Note [Cold loads run behind the caller] in overmind.server.loads)."""
 
     def __init__(self, key: str, loading: bool, reason: str, code: int = 0) -> None:
         super().__init__(reason or f"{key} is loading in the background")
@@ -65,7 +65,7 @@ class CachePending(Exception):
         self.code = code  # the remembered failure's ErrorCode
 
 
-class Connection(connect.Connection):
+class LoadingConnection(connect.Connection):
     """A connection that loads: the answer to a ``Load`` and the mapping of its segments."""
 
     def load(self, request: P.Load, blob: bytes) -> tuple[P.Entry, bytes]:

@@ -85,7 +85,7 @@ def _format_value(name: str, value: object) -> str:
         return f"{human_bytes(value)} ({value} bytes)"
     if name == "uptime" and isinstance(value, (int, float)):
         return human_duration(value)
-    if name == "loaders" and isinstance(value, list):
+    if name == "interpreters" and isinstance(value, list):
         ready = sum(1 for z in value if isinstance(z, dict) and z.get("ready"))
         return f"{len(value)} warm interpreters ({ready} ready)"
     if isinstance(value, bool):
@@ -151,7 +151,7 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
         print(json.dumps({**info, "huge_pages": hp.as_dict()}, sort_keys=True))
         return EXIT_OK
     first = ["pid", "version", "uptime", "entries", "used", "budget", "hits", "misses", "not_cacheable",
-             "stale_misses", "evictions", "loading", "settling"]
+             "stale_misses", "evictions", "loading", "loaders_exiting"]
     special = ("bytes", "restore", "state", "ready", "file_segments", "packing")
     names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n not in special)
     rows = [(name, _format_value(name, info[name])) for name in names]
@@ -175,9 +175,9 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
     print()
     used = info.get("used")
     print("\n".join(_huge_page_lines(hp, used if isinstance(used, int) else 0)))
-    if info.get("loaders"):
+    if info.get("interpreters"):
         print()
-        _print_interpreters(info["loaders"])
+        _print_interpreters(info["interpreters"])
     entries = _entries(conn)
     if entries:
         print()

@@ -35,7 +35,7 @@ from overmind import __version__
 from overmind.shared import protocol as P
 from overmind.shared.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
                              write_runtime_file)
-from overmind.server.cold_loads import MAX_TEXT, ColdLoads, check_modules, check_request, reply_error
+from overmind.server.loads import MAX_TEXT, Loads, check_modules, check_request, reply_error
 from overmind.server.options import parse as parse_options
 from overmind.server.pool import WarmPool, LoadFailure, context_from_wire, run_from_wire
 from overmind.server.programs import ProgramHistory
@@ -44,7 +44,7 @@ from overmind.server.restore import Restore
 from overmind.server.settle import Settler
 from overmind.server.state import StateKeeper
 from overmind.server.warm_process import RunRefused
-from overmind.shared.packages import packages_from_wire
+from overmind.shared.compiled import packages_from_wire
 from overmind.shared.contexts import environment_from_wire
 
 logger = logging.getLogger("overmind.server.daemon")
@@ -71,7 +71,7 @@ FRAME_TIMEOUT = 30.0
 IDLE_TIMEOUT = 600.0
 SOCKET_CHECK_INTERVAL = 0.5
 HOUSEKEEPING_INTERVAL = 10.0  # warm interpreters: idle time and memory (WarmPool.housekeeping)
-PEER_ROLES = ("client", "cli", "run")  # what Hello.role says; a loader never connects (Note [The loader is handed its references] in overmind.server.cold_loads)
+PEER_ROLES = ("client", "cli", "run")  # what Hello.role says; a loader never connects (Note [The loader is handed its references] in overmind.server.loads)
 
 class AlreadyRunning(ConfigError):
     """Another server owns this runtime dir (exit status EXIT_ALREADY_RUNNING)."""
@@ -99,7 +99,7 @@ class Server:
         self.socket_rebinds = 0
         self.runs = 0
         self.history = ProgramHistory()  # Note [Prefetch] in overmind.client.prefetch
-        self.loads = ColdLoads(config, self.registry, self.pool, self.history)
+        self.loads = Loads(config, self.registry, self.pool, self.history)
         # Note [The state file] in overmind.server.state; Note [Restore after a restart] in overmind.server.restore
         self.state = StateKeeper(config, self.registry, self.pool, self.history, self.loads.plain_seconds_of)
         self.loads.on_cached = self.state.record
@@ -370,13 +370,12 @@ class Server:
                 "socket": str(self.config.socket_path), "socket_rebinds": self.socket_rebinds, "runs": self.runs,
                 "torch_imported": "torch" in sys.modules}
         info["bytes"] = info["used"] = self.registry.used()
-        info["loaders"] = self.pool.describe()
+        info["interpreters"] = self.pool.describe()
         info["warm_retired"] = self.pool.retired
-        info["settling"] = self.loads.settling()  # Note [Huge pages for segments] in overmind.shared.memfd
+        info["loaders_exiting"] = self.loads.loaders_exiting()  # Note [Huge pages for segments] in overmind.shared.memfd
         info["packing"] = self.loads.fills.packing()  # Note [Joining a fill] in overmind.server.fills
         info.update(self.registry.counters())  # after the fills': one no longer "loading" has its entry counted
-        info["file_segments"] = {"bytes": self.registry.file_bytes(), "settled": self.settler.settled,  # Note [Settling file segments]
-                                 "settled_bytes": self.settler.settled_bytes, "copying": self.settler.copying}
+        info["file_segments"] = {"bytes": self.registry.file_bytes(), **self.settler.describe()}  # Note [Settling file segments]
         info["restore"] = self.restore.describe()  # Note [Restore after a restart] in overmind.server.restore
         info["ready"] = info["restore"]["ready"]
         info["state"] = self.state.describe()

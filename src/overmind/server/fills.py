@@ -1,7 +1,7 @@
 """Cache fills in flight: a miss's load, from the request that starts it to the entry it files.
 Server side, stdlib only.
 
-    fills = Fills(config, registry)            # one per server (owned by overmind.server.cold_loads.ColdLoads)
+    fills = Fills(config, registry)            # one per server (owned by overmind.server.loads.Loads)
     admission = fills.admit(key, background=True, caller=pid)   # a hit, a fill, a failure, or busy
     fill = admission.fill                      # admission.started: this request runs it
     fills.after_caller(fill)                   # waits while the caller's own load runs
@@ -11,11 +11,11 @@ Server side, stdlib only.
 
 One ``Fill`` per key (single flight): its outcome, its loader's CPU priority and its progress.
 ``Fills`` is the table of them, with who waits for which and the failures they left; the warm
-pool only forks the loader (``WarmPool.start_loader``), and overmind.server.cold_loads hands it
+pool only forks the loader (``WarmPool.start_loader``), and overmind.server.loads hands it
 its references and reads its answer.
 
 Note [Cold fills wait for their caller]
-On a miss nobody waits for (Note [Cold loads run behind the caller] in overmind.server.cold_loads)
+On a miss nobody waits for (Note [Cold loads run behind the caller] in overmind.server.loads)
 the caller loads plainly while a loader would fill the cache with the same work. Run at
 once, the fill shares the cores, the memory bandwidth and the page allocator with the
 caller: a cast to fp16 made the caller's load 2-3.5 x plain on 2 cores, and still 2 x with
@@ -61,7 +61,7 @@ and were slower for it, so that was taken back; OVERMIND_FILL_YIELD is the bound
 (tests/integration/test_cold_priority.py keeps every CPU busy).
 
 Note [Only deterministic failures are remembered]
-A load whose original loader raised will raise again: it is remembered for
+A load whose original load function raised will raise again: it is remembered for
 ``FAILURE_TTL`` seconds, so later calls load plainly at once instead of paying a loader
 each. So is a result that cannot be rebuilt (Note [Results that cannot be rebuilt] in
 overmind.shared.quirks): the same call gives the same model, and no loader runs it again while
@@ -440,7 +440,7 @@ class Fills:
     def depends(self, fill: Fill, key: str):
         """``fill`` waits in this block, before its loader starts, for the fill of ``key`` (an
         entry its call refers to: Note [The loader is handed its references] in
-        overmind.server.cold_loads). It lends that fill its priority only if someone waits for it in turn;
+        overmind.server.loads). It lends that fill its priority only if someone waits for it in turn;
         otherwise a later lift passes on (``_hurry``)."""
         with self.lock:
             self.waits[fill.key] = key

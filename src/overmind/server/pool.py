@@ -7,10 +7,10 @@
 A *context* is the interpreter and the environment that can change an import. For each
 the server keeps a warm interpreter (``overmind.warm.interpreter``) that imported torch
 and the installed modules the context's earlier loads and runs imported, and forks one
-child per cold load (``overmind.warm.loader``) or run (``overmind.warm.child``). A cold load thus
+child per cold load (``overmind.warm.loader``) or run (``overmind.warm.script``). A cold load thus
 pays neither interpreter start-up nor library imports, and a run starts in a fork. Each
 interpreter is a ``WarmProcess`` (overmind.server.warm_process); the fill a loader serves,
-and all said on its job socket, are overmind.server.fills's and overmind.server.cold_loads's. The
+and all said on its job socket, are overmind.server.fills's and overmind.server.loads's. The
 pool is bounded in count (``OVERMIND_WARM_MAX``), memory (``OVERMIND_WARM_MEMORY``, PSS)
 and idle time (``OVERMIND_WARM_IDLE``); retiring an interpreter never kills a load or run
 in progress (Note [Retiring never kills work] in overmind.warm.interpreter).
@@ -38,7 +38,7 @@ from overmind.shared.contexts import Context, RunSpec, load_context_from_wire
 from overmind.server.lessons import Lessons
 from overmind.server.warm_process import RunRefused, WarmProcess
 
-logger = logging.getLogger("overmind.server.loaders")
+logger = logging.getLogger(__name__)
 
 __all__ = ["WarmPool", "LoadFailure", "context_from_wire", "run_from_wire"]
 
@@ -132,7 +132,7 @@ class WarmPool:
         return count < MAX_CANNOT_FORK
 
     def _learn_packages(self, context: Context, packages: list) -> None:
-        """Note [AOTInductor packages are handed over] in overmind.shared.packages: every interpreter
+        """Note [AOTInductor packages are handed over] in overmind.shared.compiled: every interpreter
         of the lineage preloads them (a run may be forked from a variant keyed on what imports read)."""
         self.lessons.add_packages(context, packages)
         with self.lock:
@@ -146,11 +146,11 @@ class WarmPool:
         """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all()),
         and have it import ``modules``, which a client of it imported (Note [Warm interpreters
         learn] in overmind.warm.interpreter), and preload ``packages`` (Note [AOTInductor packages
-        are handed over] in overmind.shared.packages). ``env``: a run's whole environment, for a
+        are handed over] in overmind.shared.compiled). ``env``: a run's whole environment, for a
         new interpreter to import under (Note [A run's interpreter imports under the run's environment])."""
         try:
             if packages and not modules and env is None:
-                # A run that loaded a package says so (overmind.client.aoti): the lineage's interpreters
+                # A run that loaded a package says so (overmind.client.compiled): the lineage's interpreters
                 # preload it, and its next ones; it asks for no interpreter (a forked run has one).
                 return self._learn_packages(context, packages)
             if modules:
@@ -177,7 +177,7 @@ class WarmPool:
                      ) -> tuple[socket.socket, int]:
         """Fork the loader of one fill (the load of ``key``) from the context's warm interpreter,
         started if need be: (its job socket, its pid), or LoadFailure. What is said on the job
-        socket is overmind.server.cold_loads's (Note [The loader is handed its references])."""
+        socket is overmind.server.loads's (Note [The loader is handed its references])."""
         for attempt in (1, 2):
             try:
                 interpreter = self._interpreter(context)
@@ -185,7 +185,7 @@ class WarmPool:
                     interpreter = self._interpreter(context)
             except OSError as err:  # the interpreter cannot be executed at all
                 raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
-                                  f"could not start a loader with {context.python}: {err}") from None
+                                  f"could not start a warm interpreter with {context.python}: {err}") from None
             try:
                 job, pid = interpreter.start_job(key, blob, list(modules), sys_path, cwd)
                 if interpreter.unforkable and self._retire_unforkable(interpreter, interpreter.unforkable):

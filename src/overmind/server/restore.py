@@ -12,7 +12,7 @@ then a warm interpreter for each context used recently (most recent first, at mo
 ``OVERMIND_WARM_MAX``), all starting at once; then the entries, most recently used first,
 until their bytes reach ``OVERMIND_RESTORE`` (bytes, or a share of the memory budget; ``0``:
 none), each after the entries it refers to (a ``vae=vae`` argument). A refill is a fill like a
-client's miss would start (``ColdLoads.refill``): in a loader process forked from the warm
+client's miss would start (``Loads.refill``): in a loader process forked from the warm
 interpreter, at idle CPU priority, through every check a client's request goes through.
 
 Clients go first: a refill starts only when no client's fill is in flight (for at most
@@ -52,7 +52,7 @@ class Restore:
     def __init__(self, config: Config, registry, loads, keeper, stopping: threading.Event) -> None:
         self.config = config
         self.registry = registry
-        self.loads = loads  # overmind.server.cold_loads.ColdLoads
+        self.loads = loads  # overmind.server.loads.Loads
         self.pool = loads.pool
         self.keeper = keeper  # overmind.server.state.StateKeeper
         self.stopping = stopping

@@ -109,6 +109,10 @@ class Settler:
         self._read_back: dict = {}  # (dev, ino) -> until when a client is reading it back
         self._mapped: dict = {}  # (dev, ino) -> its mapping: Note [File segments stay mapped]
 
+    def describe(self) -> dict:
+        """The status's ``file_segments``, less their bytes (the registry's)."""
+        return {"settled": self.settled, "settled_bytes": self.settled_bytes, "copying": self.copying}
+
     def touch(self) -> None:
         self._last_request = time.monotonic()
 

@@ -2,7 +2,7 @@
 
     keeper = StateKeeper(config, registry, pool, history)   # one per overmind.server.daemon.Server
     state = keeper.open()            # what the last server kept, checked; None if nothing usable
-    loads.on_cached = keeper.record  # every fill that was cached (overmind.server.cold_loads)
+    loads.on_cached = keeper.record  # every fill that was cached (overmind.server.loads)
     keeper.save_if_changed()         # at most every SAVE_INTERVAL seconds, and at shutdown
 
 overmind.server.restore refills the cache from what :meth:`StateKeeper.open` returns.
@@ -28,7 +28,7 @@ directory (``OVERMIND_STATE_DIR``, default ``$XDG_STATE_HOME/overmind``)::
   client sent for it, the installed modules its runs and loads imported, those it must not
   import, the variables its imports read, the interpreters that were warm, with the
   values of those variables each was keyed on, and the AOTInductor packages its runs loaded
-  (Note [AOTInductor packages are handed over] in overmind.shared.packages: a preload checks the
+  (Note [AOTInductor packages are handed over] in overmind.shared.compiled: a preload checks the
   file's fingerprint again, so a package changed meanwhile is never handed over).
 - ``entries``: the most recently used cache entries (MAX_ENTRIES), each the load call as the
   client sent it (the Load fields and the blob: what the loader replays), the fingerprints of
@@ -41,7 +41,7 @@ refused when another uid owns it or others can write it, never a symlink) and th
 through a file descriptor opened with ``O_NOFOLLOW``: a directory swapped for a link after
 the check is never followed. The file must be a regular file of ours that others cannot
 write, at most MAX_STATE_BYTES. Its content is checked item by item exactly as a client's
-request is (``Load.from_fields``, ``cold_loads.check_request``, ``context_from_wire``,
+request is (``Load.from_fields``, ``loads.check_request``, ``context_from_wire``,
 ``check_modules``, ``reads_from_wire``): the file can ask for nothing a client of this uid
 could not ask itself, and an item that fails is dropped. A file that cannot be read, is not
 JSON, or has another format or version is ignored with one warning and replaced at the next save.
@@ -74,7 +74,7 @@ from overmind import __version__
 from overmind.shared import protocol as P
 from overmind.shared.config import Config, ConfigError, ensure_private_dir, selecting_environment
 from overmind.shared.import_env import reads_from_wire
-from overmind.shared.packages import packages_from_wire
+from overmind.shared.compiled import packages_from_wire
 from overmind.shared.contexts import Context
 
 logger = logging.getLogger("overmind.server.state")
@@ -341,7 +341,7 @@ class StateKeeper:
         self.registry = registry
         self.pool = pool
         self.history = history
-        self.plain_seconds = plain_seconds or (lambda key: None)  # key -> a plain load's seconds (ColdLoads)
+        self.plain_seconds = plain_seconds or (lambda key: None)  # key -> a plain load's seconds (Loads)
         self.path = config.state_path
         self.dir_fd = -1
         self.problem = ""  # why no state is kept or the old one was not used: said once, shown in the status
@@ -397,7 +397,7 @@ class StateKeeper:
         return state
 
     def record(self, request: P.Load, blob: bytes, entry) -> None:
-        """A fill was cached (ColdLoads.on_cached): keep its call for a restore."""
+        """A fill was cached (Loads.on_cached): keep its call for a restore."""
         if not self.enabled or len(blob) > MAX_KEPT_BLOB or request.lookup_only:
             return
         load = request.to_dict()

@@ -27,7 +27,7 @@ from overmind.shared.contexts import Context, RunSpec
 from overmind.shared.import_env import reads_from_wire
 from overmind.shared.priority import can_lift_idle, every_thread, to_normal
 
-logger = logging.getLogger("overmind.server.loaders")
+logger = logging.getLogger(__name__)
 
 __all__ = ["WarmProcess", "RunRefused", "READY_TIMEOUT", "FORK_TIMEOUT"]
 
@@ -102,7 +102,7 @@ class WarmProcess:
         self.sock.settimeout(READY_TIMEOUT)
         message, _, fds = P.recv_message(self.sock, max_blob=0)
         P.close_fds(fds)
-        ready = P.expect(message, P.LoaderReady, "from a warm interpreter")
+        ready = P.expect(message, P.InterpreterReady, "from a warm interpreter")
         self._heard(ready.environ)
         self.imported = list(ready.imported)
         self.refused = list(ready.refused)

@@ -12,7 +12,7 @@ loader rebuilds them from the cache. The key hashes (xxh3-128) the first pickle
 library versions, so a changed file or an upgraded library is a miss.
 
 Note [What cannot be cached]
-A call goes straight to the original loader when an argument has no stable
+A call goes straight to the original load function when an argument has no stable
 identity: a tensor, a file-like object, a function or other callable (a callable
 ``map_location``), a model that overmind did not load, or anything pickle cannot
 reach by reference; or when the process is in a state the loader cannot reproduce
@@ -50,12 +50,12 @@ _LIBRARIES = ("torch", "diffusers", "transformers", "accelerate", "bitsandbytes"
 
 
 class Uncacheable(Exception):
-    """The call cannot be keyed; call the original loader (Note [What cannot be cached])."""
+    """The call cannot be keyed; call the original load function (Note [What cannot be cached])."""
 
 
 @dataclass(frozen=True)
 class Target:
-    """The original loader: ``getattr(owner, attr)`` in a process where nothing is patched."""
+    """The original load function: ``getattr(owner, attr)`` in a process where nothing is patched."""
 
     kind: str  # "class" (owner is a class) or "module" (owner is a module name)
     owner: Any

@@ -7,7 +7,7 @@
     start_server(config)                    # blocks until it answers; wait=False: detached
 
 The one place that connects and starts the server, for every side: the client's cache path
-(``overmind.client.connection`` adds loading to :class:`Connection`), the ``overmind`` command
+(``overmind.client.connection.LoadingConnection`` adds loading to :class:`Connection`), the ``overmind`` command
 and its light ``run`` front end, and the first plain run that reports its modules. Standard
 library only, and light: the protocol is imported only by what talks (Note [A light front end]
 in overmind.frontend.run). Every socket operation is bounded by ``OVERMIND_REPLY_TIMEOUT``.

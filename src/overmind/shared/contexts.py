@@ -75,11 +75,11 @@ def environment_from_wire(env: object) -> dict:
     return dict(env)
 
 
-_warm_run = False  # this process is a run forked from a warm interpreter (overmind.warm.child)
+_warm_run = False  # this process is a run forked from a warm interpreter (overmind.warm.script)
 
 
 def mark_warm_run() -> None:
-    """Said by overmind.warm.child in a run it forked, before the user's code starts."""
+    """Said by overmind.warm.script in a run it forked, before the user's code starts."""
     global _warm_run
     _warm_run = True
 
@@ -114,7 +114,7 @@ def load_context_from_wire(data: object) -> tuple[Context, str, list]:
 class RunSpec:
     """What a warm child becomes: ``python <mode> <target> <argv>`` in ``cwd`` with ``env`` and
     ``umask``, ignoring the signals its caller's shell ignored (``nohup``, ``cmd &``), as a plain
-    python inherits them (overmind.warm.child.become)."""
+    python inherits them (overmind.warm.script.become)."""
 
     mode: str  # "script" | "module" | "code"
     target: str  # the script path as typed (it becomes sys.argv[0]), the module name or the code

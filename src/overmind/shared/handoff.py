@@ -7,7 +7,7 @@ overmind.frontend.run)::
     if started is not None:                  # None: run plainly
         exit_like(wait_for(*started))        # never returns
 
-The child side is ``overmind.warm.child.become``; the server forks it (``Run``).
+The child side is ``overmind.warm.script.become``; the server forks it (``Run``).
 """
 
 from __future__ import annotations

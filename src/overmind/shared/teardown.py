@@ -1,7 +1,7 @@
 """Leaving the process: what a teardown must not skip, and nothing more. Stdlib only.
 
     teardown.leave_quickly()            # monkey_patch_all(): Note [The drop-in leaves quickly]
-    teardown.flush_left_open(skip_ids)  # overmind.warm.child: Note [Output is never lost at exit]
+    teardown.flush_left_open(skip_ids)  # overmind.warm.script: Note [Output is never lost at exit]
 
 Note [The drop-in leaves quickly]
 A python that imported torch, diffusers and transformers spends a second or more between the
@@ -28,7 +28,7 @@ finalizers of objects that only become cyclic garbage during the teardown itself
 called for objects that still exist when the interpreter exits"); their files were flushed
 above. What is left to pay is the collection, the sweep for open files and the rest of the
 teardown. ``OVERMIND_QUICK_EXIT=0`` turns it off. Runs of ``overmind run`` leave through
-``overmind.warm.child._finalize`` instead, which skips the teardown altogether.
+``overmind.warm.script._finalize`` instead, which skips the teardown altogether.
 
 Note [Output is never lost at exit]
 Skipping (part of) the teardown skips where a fresh python closes what is still open. So
@@ -78,7 +78,7 @@ def leave_quickly() -> None:
 
 
 def exit_handled_elsewhere() -> None:
-    """A run forked by ``overmind run`` leaves through overmind.warm.child's own exit: the
+    """A run forked by ``overmind run`` leaves through overmind.warm.script's own exit: the
     callback, were it registered, would have nothing to add."""
     global _registered
     with _lock:

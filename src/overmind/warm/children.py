@@ -3,7 +3,7 @@
     children = Children()
     pid = children.fork_job(job, blob, job_fd, in_child)     # a cold load (overmind.warm.loader)
     pid = children.spawn_job(job, blob, job_fd, env)         # the same, in a fresh interpreter
-    pid = children.fork_run(fork, fds, in_child)             # a run (overmind.warm.child)
+    pid = children.fork_run(fork, fds, in_child)             # a run (overmind.warm.script)
     select(children.watched() + ...); children.readable(ready)
     for names in children.reap(): ...                        # modules each ended run imported
 
@@ -155,7 +155,7 @@ class Children:
                 conn.close()
                 os.close(report_r)
                 _report_modules_at_exit(report_w)
-                from overmind.warm.child import become
+                from overmind.warm.script import become
 
                 become(fork.spec, stdin, stdout, stderr)
             finally:
@@ -218,7 +218,7 @@ def _report_modules_at_exit(fd: int) -> None:
 
     def report() -> None:
         try:
-            from overmind.shared.inductor import USED, used
+            from overmind.shared.compiled import USED, used
             from overmind.warm.installed import installed_modules
 
             news = not held.issuperset(sys.modules)

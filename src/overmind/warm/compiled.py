@@ -15,7 +15,7 @@ subprocesses that ``dlopen`` a test library, ~0.14 s each: a fresh ``python`` pl
 compiler's path and version (``g++ --version``, ``g++ -v``), and the precompiled header's
 check (``g++ -E`` of ``cpp_prefix.h`` and ``openssl sha512`` of the result, ~0.2 s). A warm
 interpreter whose context's runs made those probes themselves (they compiled, or loaded an
-AOTInductor package: the mark ``overmind.shared.inductor.USED`` in their module reports;
+AOTInductor package: the mark ``overmind.shared.compiled.USED`` in their module reports;
 importing ``torch._inductor`` says nothing, ``transformers`` does it) asks once, after its
 imports, so every child it forks starts with the answers; an AOTInductor package's load asks
 the same ISA question. Nothing here runs a kernel or leaves a thread running (Note [No
@@ -73,7 +73,7 @@ parallel, and neither survives a fork: a child of a parent that ran a model once
 first parallel region for threads that do not exist, for ever (3 of 3 children hung in
 issue 24's test; ``OMP_NUM_THREADS=1`` in the parent avoided it). So a warm interpreter never
 runs a kernel (it imports, primes probes and loads AOTInductor packages without calling them:
-overmind.warm.aoti), and before each fork the thread census (Note [Threads libraries start] in
+overmind.warm.compiled), and before each fork the thread census (Note [Threads libraries start] in
 overmind.warm.fork_safety) finds any thread started since it was ready that no fork handler
 stops: such a pool makes the interpreter refuse to fork (``NOT_FORKABLE``). A refusal is never
 a hang. Threads are the check because neither OpenMP nor ATen says whether its pool was
@@ -89,11 +89,12 @@ import sys
 import threading
 import time
 
+from overmind.shared.compiled import fingerprint, forget, held, hold, refusal_name, spec_key
 from overmind.warm.fork_safety import started_since, thread_ids
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compile_stack_held", "Priming", "prime_inductor", "forget_isa_list", "PRIMING"]
+__all__ = ["compile_stack_held", "Priming", "prime_inductor", "forget_isa_list", "PRIMING", "preload", "preload_warm"]
 
 COMPILE_STACK = "torch._inductor"
 # The name a failed or thread-starting priming is refused under (Note [Threads libraries start]
@@ -251,3 +252,85 @@ def _prime_header(codecache, config, cpp_builder, isa) -> list[str]:
 
     source = os.path.join(os.path.dirname(torch.__file__), "include", header)
     return [source] if os.path.exists(source) else []
+
+
+# -- AOTInductor packages loaded, never run: Note [AOTInductor packages are handed over] in
+# overmind.shared.compiled; refused = preload_warm(spec, reads, refused) ----------------------
+
+_failed: set = set()  # (spec_key, fingerprint) that raised when preloaded
+
+
+def _cpu_package(path: str, kwargs: dict) -> bool:
+    """Whether every model of the package runs on the CPU, from its metadata: loading a CUDA one
+    would initialise CUDA in the warm interpreter."""
+    import json
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            devices = [json.loads(archive.read(name)).get("AOTI_DEVICE_KEY") for name in archive.namelist()
+                       if "/data/aotinductor/" in name and name.endswith("_metadata.json")]
+    except (OSError, ValueError, zipfile.BadZipFile, KeyError):
+        return False
+    return bool(devices) and all(d == "cpu" for d in devices)
+
+
+def _resolve(point: str):
+    import importlib
+
+    module, _, name = point.partition("::")
+    return getattr(importlib.import_module(module), name)
+
+
+def preload(spec: dict) -> str:
+    """Load the package of ``spec`` here, without running it; "" or why not. In a warm
+    interpreter only (it never patches, so the attribute is the original)."""
+    key = spec_key(spec)
+    found = fingerprint(spec["path"])
+    if found is None:
+        return "missing, unreadable or just written"
+    holding = held(spec)
+    if holding is not None and holding[1] == found:
+        return ""
+    if spec["point"] == "torch._inductor::aoti_load_package" and not _cpu_package(spec["path"], spec["kwargs"]):
+        return "not a CPU package"
+    attempt = (key, found)
+    if attempt in _failed:
+        return "it failed to load before"
+    forget(spec)  # a changed file: its old runner goes
+    _failed.add(attempt)  # until it loads: a package that raises is not tried again each run
+    probe_vector_isas()  # what the load asks first, at once: Note [The ISA probes at once]
+    runner = _resolve(spec["point"])(spec["path"], **spec["kwargs"])
+    _failed.discard(attempt)
+    if fingerprint(spec["path"]) != found:
+        return "changed while it loaded"
+    hold(spec, runner, found)
+    return ""
+
+
+def preload_warm(spec: dict, reads, refused) -> list[str]:
+    """:func:`preload` in a warm interpreter, the settings it reads recorded into ``reads``
+    (Note [Settings an import read] in overmind.shared.import_env); the names to refuse: the
+    package's, if loading it started a thread nobody vouches for (Note [Threads libraries start]
+    in overmind.warm.fork_safety)."""
+    from overmind.shared.import_env import recording
+
+    name = refusal_name(spec)
+    if name in refused:
+        return []
+    before = thread_ids()
+    try:
+        with recording(reads):
+            why = preload(spec)
+    except Exception as err:  # noqa: BLE001 - the run's call loads it plainly
+        why = repr(err)
+    if why:
+        logger.info("not preloading %s: %s", spec["path"], why)
+    else:
+        logger.info("preloaded %s", spec["path"])
+    if started_since(before):
+        logger.warning("loading %s started a thread: this interpreter will not fork again", spec["path"])
+        return [name]
+    return []
+
+

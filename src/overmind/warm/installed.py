@@ -3,7 +3,7 @@
     installed_modules()                  # in a finished run: names to pre-import next time
     installed_modules(skip=held)         # only those the warm interpreter did not hold
 
-See Note [Warm interpreters] in overmind.warm.interpreter; used by overmind.warm.child (the child side of a
+See Note [Warm interpreters] in overmind.warm.interpreter; used by overmind.warm.script (the child side of a
 run) and overmind.warm.interpreter. Standard library only.
 """
 
@@ -17,7 +17,7 @@ from typing import Iterable
 
 __all__ = ["installed_modules", "installed_prefixes", "RUN_FOLDERS"]
 
-# The folder a run put at sys.path[0] (its script's, or the cwd): the user's, set by overmind.warm.child.
+# The folder a run put at sys.path[0] (its script's, or the cwd): the user's, set by overmind.warm.script.
 RUN_FOLDERS: list[str] = []
 
 

@@ -3,10 +3,10 @@
 Started by the server (``overmind.server.warm_process``) as ``python -c "...interpreter_main(fd)"`` in
 its own session, cwd ``/``, stdio on the server's log; never by users::
 
-    interpreter_main(control_fd)   # Warm -> LoaderReady, then Job | Fork | Retire, until retired
+    interpreter_main(control_fd)   # Warm -> InterpreterReady, then Job | Fork | Retire, until retired
 
 A ``Job`` child runs one cold load (``overmind.warm.loader.run_job``); a ``Fork`` child becomes
-the user's script (``overmind.warm.child.become``) with the front end's stdio, and this process
+the user's script (``overmind.warm.script.become``) with the front end's stdio, and this process
 reports its exit status to the front end (``RunExited``) when it reaps it.
 
 Note [Warm interpreters]
@@ -57,7 +57,7 @@ components), and importing diffusers once here beats importing it in each loader
 Note [Frozen before forking]
 Everything the interpreter holds is moved to the garbage collector's permanent generation
 before each fork (``gc.freeze()``): a child's collections, and the exit-time sweep for open
-files (Note [Exit like Py_RunMain] in overmind.warm.child), then scan only the run's own objects
+files (Note [Exit like Py_RunMain] in overmind.warm.script), then scan only the run's own objects
 (0.25 s less for a run of ``pass`` with torch imported), and never write to the shared pages
 of the interpreter's objects (reference counts aside), so they stay shared.
 
@@ -81,7 +81,7 @@ import time
 
 from overmind.shared import protocol as P
 from overmind.shared.import_env import Reads, differs, recording
-from overmind.shared.inductor import USED as INDUCTOR_USED
+from overmind.shared.compiled import USED as INDUCTOR_USED
 from overmind.warm.children import Children
 from overmind.warm.compiled import PRIMING, Priming, compile_stack_held, forget_isa_list
 from overmind.warm.fork_safety import ThreadCensus, Refused, cuda_note
@@ -204,7 +204,7 @@ class WarmInterpreter:
         self.retiring = False
         self.to_learn: list[str] = []
         self.to_preload: list[dict] = []  # AOTInductor packages: Note [AOTInductor packages are handed over]
-        self.compiles = False  # its context's runs made Inductor's probes (overmind.shared.inductor)
+        self.compiles = False  # its context's runs made Inductor's probes (overmind.shared.compiled)
         self.priming: Priming | None = None  # Note [Inductor's probes, made once] in overmind.warm.compiled
         self.last_message = time.monotonic()  # from the server, on the control socket
         self.unforkable = ""  # Note [A tainted interpreter says so at once]: why, once it said so
@@ -227,7 +227,7 @@ class WarmInterpreter:
         with recording(self.held.reads):
             import overmind.shared.quirks  # noqa: F401  (torch-side helpers before forking)
             import overmind.shared.reductions  # noqa: F401
-            import overmind.warm.child  # noqa: F401  (what every run imports first)
+            import overmind.warm.script  # noqa: F401  (what every run imports first)
 
         self.held.census.take()  # Note [Forking only past what a fork keeps]: what runs now is its own
         self.compiles = INDUCTOR_USED in warm.modules
@@ -239,7 +239,7 @@ class WarmInterpreter:
         self._to_preload(warm.packages)
         if yielding:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        P.send_message(self.control, P.LoaderReady(os.getpid(), imported, refused=sorted(self.held.refused_modules),
+        P.send_message(self.control, P.InterpreterReady(os.getpid(), imported, refused=sorted(self.held.refused_modules),
                                                    environ=self.held.news()))
         if tainted:
             self._say_unforkable()
@@ -269,15 +269,15 @@ class WarmInterpreter:
                 self.held.refused_modules.add(PRIMING)  # the context's next interpreters do not prime
 
     def _to_preload(self, packages) -> None:
-        from overmind.shared.packages import packages_from_wire, spec_key
+        from overmind.shared.compiled import packages_from_wire, spec_key
 
         queued = {spec_key(p) for p in self.to_preload}
         self.to_preload += [p for p in packages_from_wire(packages) if spec_key(p) not in queued]
 
     def _preload_one(self) -> None:
         """One AOTInductor package loaded, never run: Note [AOTInductor packages are handed over] in
-        overmind.shared.packages."""
-        from overmind.warm.aoti import preload_warm
+        overmind.shared.compiled."""
+        from overmind.warm.compiled import preload_warm
 
         yielding = _yield_cpu()
         try:
@@ -331,7 +331,7 @@ class WarmInterpreter:
             pass
 
     def _to_learn(self, names) -> None:
-        self.compiles = self.compiles or INDUCTOR_USED in names  # the mark goes on as a name: overmind.shared.inductor
+        self.compiles = self.compiles or INDUCTOR_USED in names  # the mark goes on as a name: overmind.shared.compiled
         new = [n for n in names if isinstance(n, str) and n not in sys.modules and n not in self.held.refused_modules
                and n not in self.to_learn]
         if not self.unforkable:  # Note [A tainted interpreter says so at once]: its successor learns them

@@ -1,12 +1,12 @@
-"""Loader processes: run the original loader and hand the result to the server.
+"""Loader processes: run the original load function and hand the result to the server.
 
 Runs in a child forked from a warm interpreter (``overmind.warm.interpreter``), one per cold load::
 
     run_job(job, blob, job_sock)     # -> JobResult or JobFailed on job_sock; the exit code
 
 The child unpickles the call (rebuilding ``vae=vae``-style arguments from the entries the
-server hands it: Note [The loader is handed its references] in ``overmind.server.cold_loads``),
-calls the original, unpatched loader, strips what does not survive pickling
+server hands it: Note [The loader is handed its references] in ``overmind.server.loads``),
+calls the original, unpatched load function, strips what does not survive pickling
 (``overmind.shared.quirks``), packs the result into new sealed segments and sends their fds
 and the skeleton to the server. Then it exits; see Note [Warm interpreters never touch CUDA]
 in ``overmind.server.pool``.
@@ -188,7 +188,7 @@ class FileObserver:
 class _Handed:
     """What the server hands a loader on its job socket before the call: the entries the call
     refers to and the content index (Note [The loader is handed its references] in
-    overmind.server.cold_loads). ``rebuild(key)`` gives each entry's object, once."""
+    overmind.server.loads). ``rebuild(key)`` gives each entry's object, once."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.entries: dict[str, tuple[P.Entry, bytes, list[int]]] = {}
@@ -355,7 +355,7 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
 def _collapse_behind(segments: list) -> None:
     """After the answer: rebuild the new segments out of huge pages, at idle priority, while
     the entry is already served (Note [Huge pages for segments] in overmind.shared.memfd). The
-    server counts this loader as settling until it exits (EOF on ``job_sock``)."""
+    server counts this loader among those exiting until it exits (EOF on ``job_sock``)."""
     if not any(seg.huge for seg in segments):
         return
     from overmind.shared.priority import every_thread, to_idle

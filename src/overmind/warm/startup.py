@@ -1,7 +1,7 @@
 """What CPython decides at start from its options and environment, redone for a forked run:
 start-up flags, the locale (PEP 538 coercion), UTF-8 mode and the standard streams.
 
-Used by ``overmind.warm.child`` in the child of a warm interpreter, which started under another
+Used by ``overmind.warm.script`` in the child of a warm interpreter, which started under another
 environment than the run's::
 
     utf8, ctype = apply_locale(env)
@@ -106,7 +106,7 @@ def _stdio_encoding(env: dict[str, str], utf8: bool, ctype: str) -> tuple[str, s
 
 def install_stdio(env: dict[str, str], utf8: bool, ctype: str, keep: list) -> None:
     """New sys.std* over fds 0-2 as CPython would make them for this environment; the old ones
-    go to ``keep`` (Note [Warm interpreter stdio is never flushed in the child] in overmind.warm.child)."""
+    go to ``keep`` (Note [Warm interpreter stdio is never flushed in the child] in overmind.warm.script)."""
     keep.extend([sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__,
                             sys.__stderr__])
     encoding, errors = _stdio_encoding(env, utf8, ctype)

@@ -108,7 +108,7 @@ def _teach() -> None:
 
     def at_exit() -> None:
         try:
-            from overmind.shared.inductor import USED, used
+            from overmind.shared.compiled import USED, used
 
             report([USED] if used() else [])
         except Exception:  # noqa: BLE001

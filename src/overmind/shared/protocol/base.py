@@ -24,7 +24,7 @@ class ErrorCode:
     BAD_REQUEST = 1
     VERSION_MISMATCH = 2
     NOT_FOUND = 3
-    LOADER_FAILED = 4  # the original loader raised; the traceback travels along
+    LOADER_FAILED = 4  # the original load function raised; the traceback travels along
     LOADER_CRASHED = 5  # the loader process died (signal, exit) before answering
     LOADER_TIMEOUT = 6
     PERMISSION_DENIED = 7

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from overmind.shared.protocol.base import Message, ProtocolError, message
 
-__all__ = ["Hello", "Welcome", "Error", "Load", "PlainLoaded", "Prefetch", "PrefetchReply", "Entry", "Pending", "GetFds", "Fds", "Contents", "Status", "StatusReply", "ListEntries", "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire", "LoaderReady", "Job", "JobStarted", "JobResult", "LoadMeta", "FillProgress", "JobFailed", "Unforkable", "MESSAGE_TYPES"]
+__all__ = ["Hello", "Welcome", "Error", "Load", "PlainLoaded", "Prefetch", "PrefetchReply", "Entry", "Pending", "GetFds", "Fds", "Contents", "Status", "StatusReply", "ListEntries", "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire", "InterpreterReady", "Job", "JobStarted", "JobResult", "LoadMeta", "FillProgress", "JobFailed", "Unforkable", "MESSAGE_TYPES"]
 
 
 @message
@@ -45,7 +45,7 @@ class Load(Message):
     TYPE: ClassVar[int] = 10
     WITH_BLOB: ClassVar[bool] = True
     key: str
-    target: str  # "module:qualname" of the original loader, for logs and listings
+    target: str  # "module:qualname" of the original load function, for logs and listings
     description: str  # a short human-readable form of the call
     context: dict  # python, cwd, sys_path, env: where a loader must run
     refs: list = []  # keys of entries the call refers to
@@ -130,7 +130,7 @@ class Fds(Message):
 
 
 # Type 15 was GetContents, a loader asking the server: loaders are handed the index now (Note
-# [The loader is handed its references] in overmind.server.cold_loads). Never reuse a number.
+# [The loader is handed its references] in overmind.server.loads). Never reuse a number.
 @message
 class Contents(Message):
     """The content index, as JSON in the blob: ``{"keys": [entry key, ...], "regions":
@@ -213,7 +213,7 @@ class Run(Message):
 
     TYPE: ClassVar[int] = 30
     context: dict  # python, env: which warm interpreter (overmind.shared.contexts.Context)
-    spec: dict  # mode, target, argv, cwd, env, umask: what the child becomes (overmind.warm.child.become)
+    spec: dict  # mode, target, argv, cwd, env, umask: what the child becomes (overmind.warm.script.become)
 
 
 @message
@@ -247,7 +247,7 @@ class Warm(Message):
     TYPE: ClassVar[int] = 45
     modules: list
     refused: list = []  # never to import: they started a thread (Note [Threads libraries start])
-    packages: list = []  # AOTInductor packages to preload (Note [AOTInductor packages are handed over] in overmind.shared.packages)
+    packages: list = []  # AOTInductor packages to preload (Note [AOTInductor packages are handed over] in overmind.shared.compiled)
 
 
 @message
@@ -266,7 +266,7 @@ class Retire(Message):
 
 
 @message
-class LoaderReady(Message):
+class InterpreterReady(Message):
     """A warm interpreter finished importing and waits for jobs."""
 
     TYPE: ClassVar[int] = 40
@@ -359,7 +359,7 @@ class FillProgress(Message):
     key: str
     written: int
     expected: int
-    original_seconds: float = 0.0  # its call of the original loader
+    original_seconds: float = 0.0  # its call of the original load function
 
 
 @message
@@ -389,6 +389,6 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, Contents, Status, StatusReply,
                 ListEntries, EntryList, Evict, Evicted, Shutdown, Ok, Prepare, Run, RunRefused, RunStarted, RunExited,
-                LoaderReady, Job, JobStarted, JobResult, FillProgress, JobFailed, Unforkable, Warm, Fork, Retire, PlainLoaded, Prefetch,
+                InterpreterReady, Job, JobStarted, JobResult, FillProgress, JobFailed, Unforkable, Warm, Fork, Retire, PlainLoaded, Prefetch,
                 PrefetchReply)
 }

@@ -1,4 +1,4 @@
-"""The child side of ``overmind run``: a process forked from a warm interpreter becomes ``python SCRIPT``.
+"""A run's child becomes the script: the process ``overmind run`` forks from a warm interpreter turns into ``python SCRIPT``.
 
 A warm interpreter is a long-lived interpreter (started as ``python [options] -c CODE``) that has already
 imported torch and the other installed modules of its context. Per run it forks; the child

@@ -1,4 +1,4 @@
-"""overmind.client.aoti and overmind.warm.compiled without a daemon: the AOTInductor patch points are invisible
+"""overmind.client.compiled and overmind.warm.compiled without a daemon: the AOTInductor patch points are invisible
 wrappers over upstream signatures we pin, packages from the wire are validated, a preloaded runner
 is handed over once and never for a changed file, and the fork check sees a started thread pool."""
 
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from overmind.client import aoti as client_aoti
-from overmind.shared import packages
-from overmind.warm import aoti as warm_aoti
+from overmind.client import compiled as client_aoti
+from overmind.shared import compiled as packages
+from overmind.warm import compiled as warm_aoti
 
 torch = pytest.importorskip("torch")
 
@@ -26,7 +26,7 @@ def test_aoti_load_package_and_aot_load_signatures_unchanged() -> None:
     import torch._export
     import torch._inductor
 
-    # overmind.client.aoti._describe binds the call to these: the first parameter is the path, the rest
+    # overmind.client.compiled._describe binds the call to these: the first parameter is the path, the rest
     # are plain values it keys on and passes back when it preloads.
     assert list(inspect.signature(torch._inductor.aoti_load_package).parameters) == [
         "path", "run_single_threaded", "device_index"]

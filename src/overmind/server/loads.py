@@ -1,6 +1,6 @@
 """Load requests: a hit, or a miss whose fill runs behind the caller. Server side, stdlib only.
 
-    loads = ColdLoads(config, registry, pool, history)   # one per overmind.server.daemon.Server
+    loads = Loads(config, registry, pool, history)   # one per overmind.server.daemon.Server
     loads.load(conn, request, blob, pid)      # a Load message: Entry, Pending or Error on conn
     loads.plain_loaded(message)               # a PlainLoaded message (no answer)
     loads.send_fds(conn, message)             # GetFds; loads.prefetch(conn, message, pid): Prefetch
@@ -12,7 +12,7 @@ loader here: its references handed, its progress and its answer read.
 Note [Cold loads run behind the caller]
 On a miss the server starts the load in a loader process and, unless the client
 asked to wait (``OVERMIND_STRICT=1`` or ``OVERMIND_COLD=wait``), answers ``Pending``
-at once: the client runs the original loader itself, exactly as without overmind,
+at once: the client runs the original load function itself, exactly as without overmind,
 while the loader fills the cache for every later call. A first load therefore
 costs about a plain load, not a plain load plus a copy into shared memory. Loads
 that wait (and a caller that joins a fill: Note [Joining a fill] in overmind.server.fills)
@@ -40,7 +40,7 @@ from overmind.server.registry import CacheEntry, Registry, Reply, TooLarge
 
 logger = logging.getLogger("overmind.server.daemon")
 
-__all__ = ["ColdLoads", "reply_error", "check_request", "check_modules", "MAX_KEY", "MAX_TEXT", "MAX_LIST",
+__all__ = ["Loads", "reply_error", "check_request", "check_modules", "MAX_KEY", "MAX_TEXT", "MAX_LIST",
            "MAX_MODULES"]
 
 MAX_KEY = 64  # keys are xxh3-128 hex digests (overmind.shared.calls): 32 characters
@@ -93,7 +93,7 @@ def check_modules(modules) -> list:
     return modules
 
 
-class ColdLoads:
+class Loads:
     """Every Load request of every connection, and the fills the misses start."""
 
     def __init__(self, config: Config, registry: Registry, pool: WarmPool, history: ProgramHistory) -> None:
@@ -105,16 +105,16 @@ class ColdLoads:
         self.load_slots = threading.BoundedSemaphore(config.workers)
         # a plain load's seconds per key: Note [Joining a fill] in overmind.server.fills
         self.plain_seconds: "OrderedDict[str, float]" = OrderedDict()
-        self._settling = _Settling()
+        self._exiting = _ExitingLoaders()
         self.not_cacheable = 0  # calls told their result cannot be rebuilt: Note [Results that cannot be rebuilt]
         self.on_cached = None  # called with (request, blob, entry) once a fill is cached: overmind.server.state keeps it
 
     def counters(self) -> dict:
         return {**self.fills.counters(), "not_cacheable": self.not_cacheable}
 
-    def settling(self) -> int:
-        """Loaders that answered and still rebuild their segments (``_Settling``)."""
-        return self._settling.count
+    def loaders_exiting(self) -> int:
+        """Loaders that answered and still rebuild their segments (``_ExitingLoaders``)."""
+        return self._exiting.count
 
     def send_fds(self, conn: socket.socket, message: P.GetFds) -> None:
         """Duplicates of an entry's segment fds, for a client that cannot open them through /proc."""
@@ -363,7 +363,7 @@ class ColdLoads:
                                   f"(out of memory?); see {self.config.log_path}") from None
             if isinstance(message, P.JobResult):
                 answered = True
-                self._settling.add(job, pid, self.config.loader_timeout)
+                self._exiting.add(job, pid, self.config.loader_timeout)
         finally:
             if not answered:
                 job.close()
@@ -377,10 +377,10 @@ class ColdLoads:
         return message, skeleton, fds
 
 
-class _Settling:
+class _ExitingLoaders:
     """A loader that answered may still rebuild its segments out of huge pages (Note [Huge
     pages for segments] in overmind.shared.memfd); it counts here until it exits (EOF on its
-    job socket), so a benchmark can wait for the machine to be quiet (``settling`` in the status)."""
+    job socket), so a benchmark can wait for the machine to be quiet (``loaders_exiting`` in the status)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -402,7 +402,7 @@ class _Settling:
                 with self.lock:
                     self.count -= 1
 
-        threading.Thread(target=wait_for_exit, daemon=True, name=f"overmind-settle-{pid}").start()
+        threading.Thread(target=wait_for_exit, daemon=True, name=f"overmind-loader-exit-{pid}").start()
 
 
 def _kill(pid: int) -> None:

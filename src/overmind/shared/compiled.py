@@ -1,9 +1,15 @@
-"""AOTInductor packages a warm interpreter preloads and a run's call takes over. Standard library only
-(the server validates packages with it)::
+"""Compiled code across the processes, standard library only (the server validates packages
+with it): AOTInductor packages a warm interpreter preloads and a run's call takes over, and the
+mark a run reports when it made Inductor's CPU probes::
 
     packages = packages_from_wire(message.packages)     # the server: what a client reported
-    hold(spec, runner, fingerprint(spec["path"]))       # a warm interpreter (overmind.warm.aoti)
-    runner = take(spec)                                 # a run forked from it (overmind.client.aoti)
+    hold(spec, runner, fingerprint(spec["path"]))       # a warm interpreter (overmind.warm.compiled)
+    runner = take(spec)                                 # a run forked from it (overmind.client.compiled)
+    names.append(USED) if used() else None              # a run's report at exit
+
+    packages = packages_from_wire(message.packages)     # the server: what a client reported
+    hold(spec, runner, fingerprint(spec["path"]))       # a warm interpreter (overmind.warm.compiled)
+    runner = take(spec)                                 # a run forked from it (overmind.client.compiled)
 
 Note [AOTInductor packages are handed over]
 ``aoti_load_package`` costs a fresh process about 2.8 s (issue 24): importing
@@ -33,14 +39,26 @@ loaded model back from its call. What keeps that the plain call:
   a reference it never drops (a forked run does not tear its modules down at exit).
 - Only the original is ever called: a file-like argument, an unexpected argument, or any
   failure on the way is the plain call, whose errors are the caller's as they would be.
+
+Note [Only a run that probed marks itself]
+Whether a process made Inductor's CPU probes is what a run reports among its modules (``USED``),
+so that the warm interpreters of its context make those probes ahead of the next run (Note
+[Inductor's probes, made once] in overmind.warm.compiled). Importing ``torch._inductor`` says nothing: ``transformers`` and ``diffusers`` import it (its
+``codecache``, ``compile_fx`` and ``cpu_vec_isa`` too) in every script that loads a model, and
+priming for all of them would spend the CPU of the runs that follow on probes none of them
+needs. A run that compiled (``torch.compile``) or loaded an AOTInductor package asked which
+vector ISAs work, and that answer stays cached in its process.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 __all__ = ["POINTS", "MAX_PACKAGES", "packages_from_wire", "spec_key", "refusal_name", "fingerprint", "hold",
-           "held", "forget", "take", "any_held"]
+           "held", "forget", "take", "any_held", "USED", "used"]
+
+
 
 POINTS = ("torch._inductor::aoti_load_package", "torch._export::aot_load")
 MAX_PACKAGES = 16  # per context: what a warm interpreter holds loaded
@@ -104,7 +122,7 @@ def held(spec: dict):
 
 
 def hold(spec: dict, runner, fingerprint: tuple) -> None:
-    """A warm interpreter loaded ``spec``'s package (overmind.warm.aoti): runs forked from now take it."""
+    """A warm interpreter loaded ``spec``'s package (overmind.warm.compiled): runs forked from now take it."""
     _loaded.pop(spec_key(spec), None)
     _loaded[spec_key(spec)] = (runner, fingerprint)
     while len(_loaded) > MAX_PACKAGES:
@@ -130,3 +148,16 @@ def take(spec: dict):
 
 def any_held() -> bool:
     return bool(_loaded)
+
+
+# Reported like a module name; no interpreter can import it (``_installed`` finds no such module).
+USED = "torch._inductor:probed"
+
+
+def used() -> bool:
+    isa = sys.modules.get("torch._inductor.cpu_vec_isa")
+    info = getattr(getattr(isa, "valid_vec_isa_list", None), "cache_info", None)
+    try:
+        return bool(info is not None and info().currsize)
+    except Exception:  # noqa: BLE001 - a torch of another shape: no mark
+        return False

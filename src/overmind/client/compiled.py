@@ -1,6 +1,6 @@
 """The patched ``aoti_load_package`` / ``aot_load``: a preloaded runner in a warm run, else the
 plain call, which teaches the server (Note [AOTInductor packages are handed over] in
-overmind.shared.packages)::
+overmind.shared.compiled)::
 
     runner = call("torch._inductor::aoti_load_package", original, args, kwargs)   # overmind.api's wrapper
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from overmind.shared.packages import any_held, fingerprint, plain_value, take
+from overmind.shared.compiled import any_held, fingerprint, plain_value, take
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +51,13 @@ def _teach(spec: dict, result) -> None:
             return
         if fingerprint(spec["path"]) is None:
             return
-        from overmind.client.connection import Connection
+        from overmind.client.connection import LoadingConnection
         from overmind.shared import protocol as P
         from overmind.shared.config import Config
         from overmind.shared.contexts import caller_context
 
         config = Config.from_env()
-        with Connection.open(config) as conn:
+        with LoadingConnection.open(config) as conn:
             conn.simple(P.Prepare(caller_context(), packages=[spec]), P.Ok, timeout=config.reply_timeout)
     except Exception as err:  # noqa: BLE001 - teaching is a bonus: the caller has its runner
         logger.debug("could not report AOTInductor package %s: %s", spec.get("path"), err)
