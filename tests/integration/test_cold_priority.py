@@ -253,6 +253,42 @@ def _packing(server: ServerProcess, folder, before_mib: int, after_mib: int, ori
     raise AssertionError(f"the server never heard of {before_mib} MiB in place: {server.log()[-3000:]}")
 
 
+LAZY = """
+import os, sys, torch
+
+
+def load(path):
+    if os.environ.get("OVERMIND_DISABLE") == "1":  # the loader: had its interpreter imported what the load imports?
+        with open(os.path.join(os.path.dirname(path), "loader-saw"), "w") as f:
+            f.write(str("colorsys" in sys.modules))
+    import colorsys  # noqa: F401 - the load's own import, as transformers imports a model's module
+    return torch.load(path, weights_only=True)
+"""
+
+LAZY_APP = """
+import json, sys
+import overmind.api
+overmind.api.monkey_patch_all()
+import lazylib
+print(json.dumps({"w": lazylib.load(sys.argv[1])["w"].tolist()}))
+"""
+
+
+def test_a_fills_loader_starts_with_what_its_callers_plain_load_imported(server, tmp_path):
+    """Note [Cold fills wait for their caller]: the caller's word names what its plain load
+    imported, and the warm interpreter imports it before it forks the loader (and every later run)."""
+    (tmp_path / "lazylib.py").write_text(LAZY)
+    (tmp_path / "app.py").write_text(LAZY_APP)
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "w.pt")
+    age_files(tmp_path / "w.pt")
+    env = server.client_env(OVERMIND_PATCH="lazylib::load", PYTHONPATH=str(tmp_path))
+    out = subprocess.run([sys.executable, str(tmp_path / "app.py"), str(tmp_path / "w.pt")], env=env,
+                         capture_output=True, text=True, timeout=WAIT, check=True)
+    assert last_json(out) == {"w": [0.0, 1.0, 2.0, 3.0]}
+    assert server.wait_idle()["entries"] == 1
+    assert (tmp_path / "loader-saw").read_text() == "True", server.log()[-3000:]
+
+
 def test_a_caller_joins_a_fill_whose_pack_should_end_before_a_plain_load_would(server, slowlib):
     _packing(server, slowlib, 64, 0)  # all but the small weights in place: it should end at once
     second = subprocess.Popen(_app(slowlib), env=_env(server, slowlib, SLOW_CALLER="1.5"),

@@ -21,7 +21,7 @@ from overmind.shared import protocol as P
 
 HELLO_FRAME = (
     b"OVMD"  # magic
-    b"\x05\x00"  # protocol version 5
+    b"\x06\x00"  # protocol version 6
     b"\x01\x00"  # type 1: Hello
     b"\x40\x00\x00\x00"  # json_len 64
     b"\x00\x00\x00\x00\x00\x00\x00\x00"  # blob_len 0
@@ -32,7 +32,7 @@ LOAD_FIELDS = (b'{"context":{"cwd":"/"},"description":"f(1)","key":"k1","lookup_
                b'"modules":["torch"],"program":"p","refs":["r"],"target":"m:f","wait":false}')
 LOAD_FRAME = (
     b"OVMD"
-    b"\x05\x00"  # protocol version 5
+    b"\x06\x00"  # protocol version 6
     b"\x0a\x00"  # type 10: Load
     b"\x95\x00\x00\x00"  # json_len 149
     b"\x04\x00\x00\x00\x00\x00\x00\x00"  # blob_len 4 (the blob follows the frame, sent separately)
@@ -57,7 +57,7 @@ def test_header_layout_is_pinned():
     assert P.HEADER.format == "<4sHHIQ"
     assert P.HEADER.size == 20
     assert P.MAGIC == b"OVMD"
-    assert P.PROTOCOL_VERSION == 5
+    assert P.PROTOCOL_VERSION == 6
 
 
 def test_message_type_codes_never_change():
@@ -115,6 +115,7 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
                packages=[{"point": "torch._inductor::aoti_load_package", "path": "/m/a.pt2",
                           "kwargs": {"run_single_threaded": False, "device_index": -1}}]), b""),
     (P.PlainLoaded(key="k", seconds=0.54), b""),
+    (P.PlainLoaded(key="k", seconds=0.54, modules=["transformers.models.llama.modeling_llama"]), b""),
     (P.Prefetch(program="0" * 32), b""),
     (P.Prefetch(program="0" * 32, importing=True), b""),
     (P.PrefetchReply(server_pid=9, entries=[["k", [[5, 4096, 45, 1001], None]]]), b""),

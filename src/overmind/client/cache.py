@@ -75,6 +75,7 @@ _warn_lock = threading.Lock()
 # call that bound; the calls of the next SERVER_DOWN_BACKOFF seconds go straight to the
 # original, so a script with many loads against a stopped server is not slowed at each one.
 SERVER_DOWN_BACKOFF = 10.0
+MAX_IMPORTED = 4096  # module names one plain load reports
 _server_down_until = 0.0
 
 
@@ -244,23 +245,26 @@ def load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
             _as_plain_call_left_it(rng_end, meta.events)
             return obj
     started = time.monotonic()
+    held = set(sys.modules) if remember is not None else None
     obj = target.original(*args, **kwargs)
     if remember is not None:
         _remember(obj, remember)
-        _tell_plain_seconds(remember, time.monotonic() - started)
+        _tell_plain_load(remember, time.monotonic() - started, [m for m in list(sys.modules) if m not in held])
     return obj
 
 
-def _tell_plain_seconds(key: str, seconds: float) -> None:
+def _tell_plain_load(key: str, seconds: float, imported: list) -> None:
     """What our plain load of a filling key took: the server weighs a later caller's wait for
-    the fill against it (Note [Joining a fill] in overmind.server.fills)."""
+    the fill against it (Note [Joining a fill] in overmind.server.fills); and what it imported
+    (a model's own module, say), which the fill's warm interpreter then imports before it forks
+    the loader (Note [Cold fills wait for their caller])."""
     conn = getattr(_local, "conn", None)
     if conn is None:
         return
     from overmind.shared import protocol as P
 
     try:
-        conn.tell(P.PlainLoaded(key, seconds))
+        conn.tell(P.PlainLoaded(key, seconds, imported[:MAX_IMPORTED]))
     except Exception as err:  # noqa: BLE001 - only a hint for the server
         logger.debug("could not tell the server our plain load's time: %s", err)
         _drop_connection()

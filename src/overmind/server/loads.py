@@ -152,11 +152,16 @@ class Loads:
                 self.plain_seconds.popitem(last=False)
 
     def plain_loaded(self, message: P.PlainLoaded) -> None:
-        """A caller's plain load of a key being filled returned, in ``message.seconds``."""
+        """A caller's plain load of a key being filled returned, in ``message.seconds``, having
+        imported ``message.modules``."""
         if isinstance(message.key, str) and len(message.key) <= MAX_KEY and 0 <= message.seconds < 1e6:
+            try:
+                imported = check_modules(message.modules)
+            except LoadFailure:
+                imported = []  # only a hint: the fill imports what it needs itself
             self.plain_seconds.pop(message.key, None)
             self.plain_seconds[message.key] = float(message.seconds)
-            self.fills.caller_loaded(message.key)  # Note [Cold fills wait for their caller] in overmind.server.fills
+            self.fills.caller_loaded(message.key, imported)  # Note [Cold fills wait for their caller] in overmind.server.fills
             while len(self.plain_seconds) > MAX_PLAIN_SECONDS:
                 self.plain_seconds.popitem(last=False)
 
@@ -299,7 +304,8 @@ class Loads:
             with self.load_slots:
                 logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)
                 contents = self.registry.content_index()
-                job, loader = self.pool.start_loader(request.key, context, cwd, sys_path, blob, request.modules)
+                job, loader = self.pool.start_loader(request.key, context, cwd, sys_path, blob,
+                                                     [*request.modules, *fill.caller_imported])
                 self.fills.forked(fill, loader)  # Note [Cold fills yield to their caller] in overmind.server.fills
                 result, skeleton, fds = self._hand_over(job, loader, fill, references, contents)
         finally:

@@ -52,7 +52,9 @@ and hands it (``Warm``) to the context's next interpreter at start. Learning yie
 (Note [Warming up yields the CPU]) instead of competing with the client that taught it. A
 Job's own modules are imported here before its fork, at the priority the server gave us
 for the Job: the first fill of a cold start is usually followed by three more (a pipeline's
-components), and importing diffusers once here beats importing it in each loader child.
+components), and importing diffusers once here beats importing it in each loader child. A
+Job's modules include what its caller's plain load imported (Note [Cold fills wait for their
+caller] in overmind.server.fills).
 
 Note [Frozen before forking]
 Everything the interpreter holds is moved to the garbage collector's permanent generation

@@ -58,11 +58,14 @@ class Load(Message):
 @message
 class PlainLoaded(Message):
     """A client that got ``Pending`` ran the original itself, in ``seconds``; no answer. The
-    server weighs a later caller's wait for the fill against it (Note [Joining a fill] in overmind.server.fills)."""
+    server weighs a later caller's wait for the fill against it (Note [Joining a fill] in
+    overmind.server.fills), and the fill's warm interpreter imports ``modules``, what that
+    load imported, before it forks the loader (Note [Cold fills wait for their caller])."""
 
     TYPE: ClassVar[int] = 17
     key: str
     seconds: float
+    modules: list = []
 
 
 @message
