@@ -81,12 +81,15 @@ class _Clock:
 
 def _packing(fills: Fills, fill: F.Fill, written: int, expected: int, original: float = 0.0,
              seconds: float = 1.0) -> None:
-    """The fill's loader reported ``written`` of ``expected`` bytes, and ``seconds`` pass on the
-    fills' clock, which then stands still: its pace is ``written / seconds`` since its first report."""
+    """The fill's loader began its pack (its first report: nothing in place yet) unless it had,
+    and ``seconds`` later reported ``written`` of ``expected`` bytes; the fills' clock then
+    stands still."""
     if not isinstance(fills.clock, _Clock):
         fills.clock = _Clock()
-    fills.progress(fill, written, expected, original)
+    if not fill.packing_since:
+        fills.progress(fill, 0, expected, original)
     fills.clock.now += seconds
+    fills.progress(fill, written, expected, original)
 
 
 def _start(target, *args) -> threading.Thread:
@@ -310,6 +313,21 @@ def test_a_plain_load_is_weighed_at_what_the_loaders_original_took_when_less(tmp
     assert fills.join(KEY, 1.0, 4242) == 0.0  # not sooner than the loader's own call of the original
     assert "0.06s left against a plain load of 0.05s (the loader's call of the original)" in caplog.text
     assert fills.packing() == [{"key": KEY[:16], "written": 64 * MB, "expected": 68 * MB, "seconds": 1.0}]
+
+
+def test_a_fills_pace_goes_on_from_its_last_report_until_its_reports_stop(tmp_path):
+    """Note [Joining a fill]: a report is up to 0.1 s old; what the pack did since counts, at its
+    pace up to that report, until reports are late (LATE_REPORT): then its pace is timed to now."""
+    fills = _fills(tmp_path)
+    fill = fills.admit(KEY, background=True).fill
+    _packing(fills, fill, 60 * MB, 64 * MB)  # 4 MB to go at 60 MB/s
+    assert fills.remaining(KEY)[0] == pytest.approx(4 / 60)
+    fills.clock.now += 0.05
+    assert fills.remaining(KEY)[0] == pytest.approx(4 / 60 - 0.05)
+    fills.clock.now += 0.05
+    assert fills.remaining(KEY)[0] == 0.0  # it should have ended: nothing left to wait for at that pace
+    fills.clock.now += F.LATE_REPORT  # no report since: stalled, its pace to now
+    assert fills.remaining(KEY)[0] == pytest.approx(4 / 60 * (1.1 + F.LATE_REPORT))
 
 
 def test_a_fill_still_running_the_original_or_a_key_with_no_plain_time_is_not_joined(tmp_path, caplog):

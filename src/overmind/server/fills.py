@@ -109,6 +109,7 @@ MAX_DEATHS = 3  # loader deaths in a row after which a key is remembered as fail
 FILL_NICE = 10  # Note [Cold fills yield to their caller]: where SCHED_IDLE could not be lifted
 CALLER_POLL = 0.1  # seconds between two looks at the caller's CPU time
 CALLER_QUIET = 2  # polls in a row under half a core: its load is over
+LATE_REPORT = 0.25  # seconds without a progress report (one comes every 0.1 s) after which a pack's pace is its pace to now
 
 # Note [Joining a fill]
 # A caller that finds its key filling (run 2 of a script, started while run 1's fill still
@@ -121,8 +122,11 @@ CALLER_QUIET = 2  # polls in a row under half a core: its load is over
 # already); a hit pays those imports too, when it unpickles, so they are no reason to wait.
 # The loader, once it packs, reports the bytes in place and the bytes it expects every 0.1 s
 # (FillProgress, Note [Progress of a pack] in overmind.warm.loader), so the fill's remaining
-# seconds are the bytes left at its rate since the pack began (a rate at idle priority:
-# lifted, it goes faster). A fill still running the original, or one that
+# seconds are the bytes left at its rate from the pack's start to its last report, less the
+# time since that report (a report is up to 0.1 s old: counting the bytes it reported over
+# the time to now made the LM's run 2 load plainly beside a fill that ended 0.06 s later; a
+# pack whose reports stopped is timed to now). The rate is one at idle priority: lifted, it
+# goes faster. A fill still running the original, or one that
 # reports nothing (small, or a result whose bytes cannot be counted), is not joined: nothing
 # says it is close. The wait is bounded by the plain load's seconds: past them the caller loads
 # plainly after all, so a wrong guess costs at most one extra plain load's time, and a fill
@@ -161,6 +165,7 @@ class Fill:
         self.yielded_at = 0.0
         # Its loader's progress reports (Note [Joining a fill]).
         self.packing_since = 0.0  # when the pack began (its first report); 0: not yet
+        self.reported_at = 0.0  # when its last report came
         self.written = 0
         self.expected = 0
         self.original_seconds = 0.0  # what the loader's call of the original took
@@ -382,8 +387,9 @@ class Fills:
         """Its loader's report (``FillProgress``): ``written`` of ``expected`` bytes in place."""
         with self.lock:
             first = not fill.packing_since
+            fill.reported_at = self.clock()
             if first:
-                fill.packing_since = self.clock()
+                fill.packing_since = fill.reported_at
             fill.written, fill.expected, fill.original_seconds = written, expected, original_seconds
         if first:
             logger.info("loader pid %d packs %s: %d MB expected; its call of the original took %.2fs",
@@ -401,8 +407,13 @@ class Fills:
                 return None
             if fill.written >= fill.expected:  # all in place: the answer is on its way
                 return 0.0, fill
-            rate = fill.written / max(self.clock() - fill.packing_since, 1e-3)
-            return (fill.expected - fill.written) / rate, fill
+            now = self.clock()
+            since = now - fill.reported_at
+            if since > LATE_REPORT:  # its reports stopped: its pace up to now
+                return (fill.expected - fill.written) * (now - fill.packing_since) / fill.written, fill
+            # its pace up to its last report, and what it did since at that pace
+            left = (fill.expected - fill.written) * max(fill.reported_at - fill.packing_since, 1e-3) / fill.written
+            return max(left - since, 0.0), fill
 
     def join(self, key: str, plain: float | None, pid: int) -> float:
         """Note [Joining a fill]: how long process ``pid``, which found ``key`` filling, should wait
