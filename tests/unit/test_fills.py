@@ -92,6 +92,17 @@ def _packing(fills: Fills, fill: F.Fill, written: int, expected: int, original: 
     fills.progress(fill, written, expected, original)
 
 
+def _filling(tmp_path, caplog, written: int, expected: int, plain: float) -> tuple[Loads, F.Fill]:
+    """Cold loads with a background fill of KEY packing (``_packing``), whose caller loaded it
+    plainly in ``plain`` seconds; the log captured."""
+    caplog.set_level(logging.INFO, LOG)
+    loads = _loads(tmp_path)
+    fill = loads.fills.admit(KEY, background=True, caller=1).fill
+    _packing(loads.fills, fill, written, expected)
+    loads.remember_plain_seconds(KEY, plain)
+    return loads, fill
+
+
 def _start(target, *args) -> threading.Thread:
     thread = threading.Thread(target=target, args=args, daemon=True)
     thread.start()
@@ -245,11 +256,7 @@ def test_a_fills_waiters_get_its_failure_and_the_next_caller_the_remembered_one(
 
 
 def test_a_fill_that_should_end_before_a_plain_load_is_joined_and_serves_its_waiter(tmp_path, caplog):
-    caplog.set_level(logging.INFO, LOG)
-    loads = _loads(tmp_path)
-    fill = loads.fills.admit(KEY, background=True, caller=1).fill
-    _packing(loads.fills, fill, 60 * MB, 64 * MB)  # 4 MB to go at 60 MB/s
-    loads.remember_plain_seconds(KEY, 5.0)
+    loads, fill = _filling(tmp_path, caplog, 60 * MB, 64 * MB, plain=5.0)  # 4 MB to go at 60 MB/s
     a, b = socket.socketpair()
     with a, b:
         joiner = _start(loads.load, a, _request(tmp_path), b"call", 4242)
@@ -271,11 +278,7 @@ def test_a_fill_that_should_end_before_a_plain_load_is_joined_and_serves_its_wai
 
 @pytest.mark.timeout(60)
 def test_a_joined_fill_slower_than_a_plain_load_is_given_up_after_that_plain_loads_time(tmp_path, caplog):
-    caplog.set_level(logging.INFO, LOG)
-    loads = _loads(tmp_path)
-    fill = loads.fills.admit(KEY, background=True, caller=1).fill
-    _packing(loads.fills, fill, 60 * MB, 64 * MB)
-    loads.remember_plain_seconds(KEY, 0.5)
+    loads, fill = _filling(tmp_path, caplog, 60 * MB, 64 * MB, plain=0.5)
     a, b = socket.socketpair()
     with a, b:
         started = time.monotonic()
@@ -289,11 +292,7 @@ def test_a_joined_fill_slower_than_a_plain_load_is_given_up_after_that_plain_loa
 
 
 def test_a_fill_with_far_to_go_is_not_joined(tmp_path, caplog):
-    caplog.set_level(logging.INFO, LOG)
-    loads = _loads(tmp_path)
-    fill = loads.fills.admit(KEY, background=True, caller=1).fill
-    _packing(loads.fills, fill, 1 * MB, 65 * MB)  # 64 MB to go at 1 MB/s
-    loads.remember_plain_seconds(KEY, 1.0)
+    loads, fill = _filling(tmp_path, caplog, 1 * MB, 65 * MB, plain=1.0)  # 64 MB to go at 1 MB/s
     a, b = socket.socketpair()
     with a, b:
         loads.load(a, _request(tmp_path), b"call", 4242)
