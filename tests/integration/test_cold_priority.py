@@ -310,6 +310,7 @@ def test_a_caller_joins_a_fill_whose_pack_should_end_before_a_plain_load_would(s
 
 def test_a_caller_loads_plainly_beside_a_fill_whose_pack_has_far_to_go(server, slowlib):
     _packing(server, slowlib, 1, 64)  # 1 MiB in place after a second or more: 64 more would take a minute
+    assert re.search(r"filling +\w{16}: 1\.0 MB of 6\d\.\d MB in place after \d", server.cli("status").stdout)
     started = time.monotonic()
     second = _call(server, slowlib, SLOW_CALLER="1.0")
     assert second == {"w": [0.0, 1.0, 2.0, 3.0]} and time.monotonic() - started < WAIT / 2
