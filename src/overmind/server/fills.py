@@ -30,10 +30,11 @@ would otherwise hold its fills back until then, and its next run, started at onc
 find them still running. The word also names what the caller's load imported (``PlainLoaded.
 modules``: transformers imports a model's own module inside ``from_pretrained``), and the
 warm interpreter imports those before it forks the loader, as it does a Job's modules: the
-LM's loader then called the original in 0.11 s instead of 0.79 s, its fill was cached before
-run 1 exited, and ``overmind run``'s run 2, forked from that interpreter with the model's
-module imported, hit instead of loading plainly beside the fill (0.13 x plain instead of
-0.17 in the minimal venv, ``overmind-bench --scenarios warmup_curve --curve-scripts lm``).
+LM's loader then called the original in 0.11 s instead of 0.79 s, and ``overmind run``'s run
+2, forked from that interpreter with the model's module imported, took 0.13 x plain instead
+of 0.17 in the minimal venv (``overmind-bench --scenarios warmup_curve --curve-scripts lm``).
+It still comes before the fill is packed, mostly, and loads plainly beside it (Note [Joining
+a fill]): a plain load is 0.1 s there, the rest of the pack 0.2 s.
 
 Note [Cold fills yield to their caller]
 Once started, such a fill's loader runs under SCHED_IDLE, every thread of it (a ``Fill``):
