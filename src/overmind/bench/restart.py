@@ -97,19 +97,20 @@ def _restart(server: BenchServer, stop: str, strip_learning: bool = False) -> di
     return {"seconds": seconds, "restore": server.status()["restore"]}
 
 
-def _scripts(scale: str, prefix: str, copies: bool = False) -> Path:
-    """A new folder holding SCRIPT_NAMES' scripts, their models generated at ``scale`` if need be;
-    with ``copies``, over copies of those models (``_copies``)."""
-    paths = ensure_models(default_cache_dir(), scale, sorted({m for n in SCRIPT_NAMES for m in SCRIPTS[n].models}))
-    if copies:
-        paths = _copies(paths)
+def _models(scale: str) -> dict:
+    """SCRIPT_NAMES' models at ``scale``, generated if need be: name -> path."""
+    return ensure_models(default_cache_dir(), scale, sorted({m for n in SCRIPT_NAMES for m in SCRIPTS[n].models}))
+
+
+def _scripts(prefix: str, paths: dict) -> Path:
+    """A new folder holding SCRIPT_NAMES' scripts over the models at ``paths``."""
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     for name in SCRIPT_NAMES:
         (folder / f"{name}.py").write_text(script_source(name, paths))
     return folder
 
 
-def _copies(paths: dict) -> dict:
+def _copies(paths: dict, say) -> dict:
     """The same models at other paths (``<model>-copy`` beside each, made once): the same bytes,
     other files, so other cache entries, for a restore that holds none of the client's."""
     out = {}
@@ -117,6 +118,7 @@ def _copies(paths: dict) -> dict:
         folder = path if path.is_dir() else path.parent
         copy, done = folder.with_name(folder.name + "-copy"), folder.with_name(folder.name + "-copy.done")
         if not done.exists():
+            say(f"copying {folder} to {copy} (once)")
             shutil.rmtree(copy, ignore_errors=True)
             shutil.copytree(folder, copy)
             done.touch()
@@ -125,7 +127,7 @@ def _copies(paths: dict) -> dict:
 
 
 def run(scale: str, stops: list, say) -> dict:
-    folder = _scripts(scale, "om-bench-restart-")
+    folder = _scripts("om-bench-restart-", _models(scale))
     server = BenchServer.start()
     results: dict = {"scale": scale, "targets": TARGETS, "plain": {}, "stops": {}}
     try:
@@ -189,8 +191,9 @@ def client_during_restore(scale: str, pairs: int, say) -> dict:
     """The seed's (ControlNet) script, patched, its models not cached, run at once beside a server
     that restores both scripts' entries over copies of the models, against beside one with
     nothing to restore, in alternating pairs."""
-    folder = _scripts(scale, "om-bench-restore-client-")
-    learned = _scripts(scale, "om-bench-restore-learned-", copies=True)
+    paths = _models(scale)
+    folder = _scripts("om-bench-restore-client-", paths)
+    learned = _scripts("om-bench-restore-learned-", _copies(paths, say))
     server = BenchServer.start()
     state, kept = server.runtime_dir / "state", folder / "state-kept"
     patched_env = server.client_env({"OVERMIND": "1"})
