@@ -103,6 +103,14 @@ def _filling(tmp_path, caplog, written: int, expected: int, plain: float) -> tup
     return loads, fill
 
 
+def _waiter(loads: Loads, sock: socket.socket, peer: socket.socket, tmp_path) -> threading.Thread:
+    """Process 4242 loads KEY on ``sock`` and waits for the cache (``OVERMIND_COLD=wait``); its
+    ``Pending(waiting=True)`` is read from ``peer``."""
+    waiter = _start(loads.load, sock, _request(tmp_path, wait=True), b"call", 4242)
+    assert P.recv_message(peer)[0] == P.Pending(KEY, True, "", waiting=True)
+    return waiter
+
+
 def _start(target, *args) -> threading.Thread:
     thread = threading.Thread(target=target, args=args, daemon=True)
     thread.start()
@@ -242,8 +250,7 @@ def test_a_fills_waiters_get_its_failure_and_the_next_caller_the_remembered_one(
     fill = loads.fills.admit(KEY, background=True).fill
     a, b = socket.socketpair()
     with a, b:
-        waiter = _start(loads.load, a, _request(tmp_path, wait=True), b"call", 4242)
-        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        waiter = _waiter(loads, a, b, tmp_path)
         fill.error = P.Error(P.ErrorCode.LOADER_FAILED, "it raised")
         loads.fills.finish(fill, remember=True)
         assert P.recv_message(b)[0] == P.Error(P.ErrorCode.LOADER_FAILED, "it raised")
@@ -348,8 +355,7 @@ def test_a_caller_that_waits_for_the_cache_never_joins_it_but_waits_for_the_fill
     loads.remember_plain_seconds(KEY, 0.2)
     a, b = socket.socketpair()
     with a, b:
-        waiter = _start(loads.load, a, _request(tmp_path, wait=True), b"call", 4242)
-        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        waiter = _waiter(loads, a, b, tmp_path)
         time.sleep(0.5)  # past its plain load's time: it still waits
         assert waiter.is_alive()
         fill.entry = _entry()
@@ -549,8 +555,7 @@ def test_a_waiter_whose_fill_was_evicted_right_after_filing_is_told_to_load_plai
     fill = loads.fills.admit(KEY, background=True).fill
     a, b = socket.socketpair()
     with a, b:
-        waiter = _start(loads.load, a, _request(tmp_path, wait=True), b"call", 4242)
-        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        waiter = _waiter(loads, a, b, tmp_path)
         fill.entry = _entry()
         loads.registry.add(fill.entry)
         loads.registry.evict([KEY])  # budget pressure from another load
