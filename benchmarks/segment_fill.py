@@ -3,8 +3,8 @@
     python benchmarks/segment_fill.py [--gb 1.0] [--runs 5] [--settings never,advise]
 
 Copies the same already-touched source into new memfds by: ``pwrite``; ``pwrite`` from two
-threads into two memfds (how ``overmind.shared.reductions`` fills: Note [Parallel fill]); a
-``MAP_SHARED`` mapping asked for huge pages (``madvise(MADV_HUGEPAGE)``) and ``memmove``, from
+threads into two memfds (how a pack fills: Note [Parallel fill] in overmind.shared.segment_writer);
+a ``MAP_SHARED`` mapping asked for huge pages (``madvise(MADV_HUGEPAGE)``) and ``memmove``, from
 one and from two threads; the same mapping populated with ``MADV_POPULATE_WRITE`` and then
 ``pwrite``; ``ftruncate`` + plain mapping + ``memmove``; and ``torch.empty`` + ``copy_`` into
 fresh memory as the reference. The methods take turns within each run (A B C A B C ...).

@@ -174,3 +174,37 @@ def test_equal_tensors_found_in_another_entry_stay_distinct(server, tmp_path):
     assert result == {"twin_kept": True, "x_zero": True}
     (second,) = [e for d, e in _entries(server).items() if "b.pt" in d]
     assert second["meta"]["deduplicated"] == 2 * big.nbytes
+
+
+def test_a_large_files_contents_come_after_its_answer_and_a_copy_loaded_later_shares_them(server, tmp_path):
+    """Note [Hashing a file's storages after the answer] in overmind.warm.loader: a pack of 40 MB
+    (over the 32 MB from which a loader reports progress) leaves its file's storages unhashed,
+    answers, then sends their contents; a copy of the file loaded afterwards finds them."""
+    import torch
+    from safetensors.torch import save_file
+
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    torch.manual_seed(0)
+    weights = {f"w{i}": torch.randn(5 << 20) for i in range(2)}  # 2 x 20 MiB
+    save_file(weights, str(a))
+    shutil.copyfile(a, b)
+    age_files(a, b)
+    code = """
+        import json, overmind.api
+        overmind.api.monkey_patch_all()
+        from safetensors.torch import load_file
+        from safetensors import safe_open  # not a patch point: reads the disk
+        path = {path!r}
+        loaded = load_file(path)
+        with safe_open(path, "pt") as f:
+            print(json.dumps(all(loaded[k].equal(f.get_tensor(k)) for k in f.keys())))
+    """
+    env = server.client_env(OVERMIND_STRICT="1")  # each load waits for its entry
+    assert last_json(server.run(code.format(path=str(a)), env=env)) is True
+    # its storages stayed in the file (Note [File-backed segments]): the case that hashes later
+    assert server.wait_idle()["file_segments"]["bytes"] >= a.stat().st_size  # and what it sent later was heard
+    assert last_json(server.run(code.format(path=str(b)), env=env)) is True
+    first, second = sorted(_entries(server).values(), key=lambda e: e["created"])
+    assert first["meta"]["deduplicated"] == 0
+    assert second["meta"]["deduplicated"] == sum(t.nbytes for t in weights.values())
+    assert second["refs"] == [first["key"]]

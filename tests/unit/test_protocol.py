@@ -21,7 +21,7 @@ from overmind.shared import protocol as P
 
 HELLO_FRAME = (
     b"OVMD"  # magic
-    b"\x06\x00"  # protocol version 6
+    b"\x07\x00"  # protocol version 7
     b"\x01\x00"  # type 1: Hello
     b"\x40\x00\x00\x00"  # json_len 64
     b"\x00\x00\x00\x00\x00\x00\x00\x00"  # blob_len 0
@@ -32,7 +32,7 @@ LOAD_FIELDS = (b'{"context":{"cwd":"/"},"description":"f(1)","key":"k1","lookup_
                b'"modules":["torch"],"program":"p","refs":["r"],"target":"m:f","wait":false}')
 LOAD_FRAME = (
     b"OVMD"
-    b"\x06\x00"  # protocol version 6
+    b"\x07\x00"  # protocol version 7
     b"\x0a\x00"  # type 10: Load
     b"\x95\x00\x00\x00"  # json_len 149
     b"\x04\x00\x00\x00\x00\x00\x00\x00"  # blob_len 4 (the blob follows the frame, sent separately)
@@ -57,7 +57,7 @@ def test_header_layout_is_pinned():
     assert P.HEADER.format == "<4sHHIQ"
     assert P.HEADER.size == 20
     assert P.MAGIC == b"OVMD"
-    assert P.PROTOCOL_VERSION == 6
+    assert P.PROTOCOL_VERSION == 7
 
 
 def test_message_type_codes_never_change():
@@ -69,10 +69,10 @@ def test_message_type_codes_never_change():
         26: "Shutdown", 27: "Ok", 28: "Prepare",
         30: "Run", 31: "RunRefused", 32: "RunStarted", 33: "RunExited",
         40: "InterpreterReady", 41: "Job", 42: "JobStarted", 43: "JobResult", 44: "JobFailed", 45: "Warm", 46: "Fork",
-        47: "Retire", 48: "FillProgress", 49: "Unforkable",
+        47: "Retire", 48: "FillProgress", 49: "Unforkable", 50: "FileContents",
     }
     assert {cls.__name__ for cls in P.MESSAGE_TYPES.values() if cls.WITH_BLOB} == {"Load", "Entry", "Contents", "EntryList", "Job",
-                                                                                          "JobResult"}
+                                                                                          "JobResult", "FileContents"}
 
 
 def test_error_codes_never_change():
@@ -136,6 +136,7 @@ SAMPLES: list[tuple[P.Message, bytes]] = [
     (P.JobResult(key="k", sizes=[4096], slots=[0], nslots=2, nbytes=4096, refs=[], meta={"pickler": "pickle"}),
      b"skel"),
     (P.FillProgress(key="k", written=1 << 30, expected=2 << 30, original_seconds=0.25), b""),
+    (P.FileContents(key="k", records=1), b'[["00ff", 65536, 1, 4096]]'),
     (P.JobFailed(key="k", code=P.ErrorCode.LOADER_FAILED, message="OSError: no", traceback="tb"), b""),
     (P.JobFailed(key="run", code=P.ErrorCode.NOT_FORKABLE, message="2 threads", refused=["threader"]), b""),
     (P.Unforkable(why="1 native thread", refused=["threader"], environ={"names": ["HF_HOME"]}), b""),
@@ -280,9 +281,9 @@ def test_bad_magic_is_refused():
 
 
 def test_version_mismatch_names_both_versions():
-    err = _receive_garbage(_header(version=7) + b"{}")
+    err = _receive_garbage(_header(version=99) + b"{}")
     assert isinstance(err, P.ProtocolError)
-    assert "7" in str(err) and str(P.PROTOCOL_VERSION) in str(err) and "version" in str(err)
+    assert "99" in str(err) and str(P.PROTOCOL_VERSION) in str(err) and "version" in str(err)
 
 
 def test_unknown_message_type_is_refused():

@@ -389,3 +389,55 @@ def test_a_model_packed_where_huge_pages_are_possible_round_trips_in_whole_huge_
     again[1].mul_(2)  # copy-on-write: a second rebuild sees the original
     other, _ = rebuild(packed)
     assert torch.equal(other[1], tensors[1]) and not torch.equal(again[1], tensors[1])
+
+
+class InAFile:
+    """A ContentStore that finds given storages in a sealed segment standing for their model file
+    (overmind.warm.dedup.SegmentContents finds them in the file's own pages), and whose index holds
+    regions of the sizes ``indexed``."""
+
+    def __init__(self, tensors: list, indexed: set) -> None:
+        from overmind.shared.memfd import Segment
+
+        self.offsets, end = {}, 0
+        for t in tensors:
+            self.offsets[t.untyped_storage().data_ptr()] = end
+            end += 1 << 20
+        self.segment = Segment.create("file", end)
+        for t in tensors:
+            storage = t.untyped_storage()
+            self.segment.write_at(self.offsets[storage.data_ptr()], bytes(memoryview(t.numpy()).cast("B")))
+        self.segment.seal()
+        self.indexed = indexed
+
+    def find(self, digest, nbytes):
+        return None
+
+    def may_hold(self, nbytes):
+        return nbytes in self.indexed
+
+    def in_file(self, address, nbytes):
+        offset = self.offsets.get(address)
+        return None if offset is None else (0, offset)
+
+
+def test_a_storage_left_in_its_file_is_hashed_after_the_pack_only_where_nothing_indexed_has_its_size():
+    from overmind.shared.reductions import DEDUP_MIN_BYTES, hash_regions
+
+    first, second = torch.randn(DEDUP_MIN_BYTES // 4), torch.randn(DEDUP_MIN_BYTES // 2)
+    model = {"first": first, "second": second, "small": torch.ones(8)}
+    store = InAFile([first, second], indexed=set())
+    now = pack(model, store=store)  # as before: every storage hashed while packing
+    assert now.unhashed == [] and len(now.contents) == 2
+
+    later = pack(model, store=store, hash_files_later=True)
+    assert later.contents == [] and len(later.unhashed) == 2 and later.nbytes < 1024
+    assert sorted(hash_regions(later.unhashed)) == sorted(now.contents)  # the records the pack would have made
+    again = unpack(later.skeleton, later.map_private() + [store.segment.map_private()])
+    assert all(torch.equal(again[k], model[k]) for k in model)
+
+    # A region of `second`'s size is indexed: it could be found, so it is hashed while packing.
+    partly = pack(model, store=InAFile([first, second], indexed={second.nbytes}), hash_files_later=True)
+    assert [r[1] for r in partly.contents] == [second.nbytes]
+    assert [u[1] for u in partly.unhashed] == [first.nbytes]
+    store.segment.close()

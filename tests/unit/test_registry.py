@@ -117,3 +117,19 @@ def test_a_programs_last_process_is_what_its_next_process_is_told():
     for i in range(MAX_KEYS + 10):
         history.record("big", 7, f"k{i}")
     assert len(history.last("big", 8)) == MAX_KEYS
+
+
+def test_contents_a_loader_sends_after_its_answer_join_its_entry_while_it_is_filed():
+    seg = _sealed(1 << 13)
+    entry = _entry("a", [seg], [["aa" * 16, 4096, 0, 0]])
+    registry = Registry(budget=1 << 30)
+    registry.add(entry)
+    later = [["bb" * 16, 4096, 0, 4096], ["cc" * 16, -1, 0, 0], "garbage", ["dd" * 16, 4096, 0, 1.5]]
+    assert registry.add_contents(entry, later) == 1  # the malformed ones are dropped
+    assert sorted(r[0] for r in registry.content_index()["regions"]) == ["aa" * 16, "bb" * 16]
+    assert registry.add_contents(entry, {"not": "a list"}) == 0
+    # An entry evicted (or replaced by another of its key) meanwhile takes nothing.
+    registry.evict(["a"])
+    assert registry.add_contents(entry, [["ee" * 16, 4096, 0, 0]]) == 0
+    assert registry.content_index()["regions"] == []
+    seg.close()

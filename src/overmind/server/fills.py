@@ -33,8 +33,10 @@ warm interpreter imports those before it forks the loader, as it does a Job's mo
 LM's loader then called the original in 0.11 s instead of 0.79 s, and ``overmind run``'s run
 2, forked from that interpreter with the model's module imported, took 0.13 x plain instead
 of 0.17 in the minimal venv (``overmind-bench --scenarios warmup_curve --curve-scripts lm``).
-It still comes before the fill is packed, mostly, and loads plainly beside it (Note [Joining
-a fill]): a plain load is 0.1 s there, the rest of the pack 0.2 s.
+It still came before the fill was packed, mostly, and loaded plainly beside it (Note [Joining
+a fill]): a plain load is 0.1 s there, the rest of the pack 0.2 s, nearly all of it hashing.
+Since the pack leaves that for after its answer (Note [Hashing a file's storages after the
+answer] in overmind.warm.loader), run 2 finds the entry filed.
 
 Note [Cold fills yield to their caller]
 Once started, such a fill's loader runs under SCHED_IDLE, every thread of it (a ``Fill``):

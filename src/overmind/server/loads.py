@@ -22,6 +22,7 @@ wait for the fill instead. A failed load is remembered for ``FAILURE_TTL`` secon
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from typing import Callable, Optional
 
 from overmind.shared import protocol as P
 from overmind.shared.config import Config
@@ -311,6 +313,17 @@ class Loads:
         finally:
             for _, handed in references:
                 P.close_fds(handed)
+        entry = None
+        try:
+            entry = self._file(request, result, skeleton, fds, started)
+            return entry
+        finally:  # the job socket is the watcher's now: it hears the loader's later word and its exit
+            self._exiting.add(job, loader, self.config.loader_timeout,
+                              None if entry is None else functools.partial(self.registry.add_contents, entry))
+
+    def _file(self, request: P.Load, result: P.JobResult, skeleton: bytes, fds: list[int], started: float
+              ) -> CacheEntry:
+        """File the loader's answer as an entry: the registry's now."""
         # The loader sends its new segments and, after them, those of other entries that hold some
         # of its storages already (Note [Stored once by content] in overmind.shared.reductions).
         slots: list = [None] * result.nslots
@@ -367,9 +380,7 @@ class Loads:
                 raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
                                   f"loader pid {pid} died before answering ({err}); a crash or a kill "
                                   f"(out of memory?); see {self.config.log_path}") from None
-            if isinstance(message, P.JobResult):
-                answered = True
-                self._exiting.add(job, pid, self.config.loader_timeout)
+            answered = isinstance(message, P.JobResult)  # then the job socket stays open: _run_load
         finally:
             if not answered:
                 job.close()
@@ -383,26 +394,37 @@ class Loads:
         return message, skeleton, fds
 
 
+CONTENTS_BLOB = 4 << 20  # bytes of a loader's FileContents: 8000 records of ~70 bytes, with room
+
+
 class _ExitingLoaders:
-    """A loader that answered may still rebuild its segments out of huge pages (Note [Huge
-    pages for segments] in overmind.shared.memfd); it counts here until it exits (EOF on its
-    job socket), so a benchmark can wait for the machine to be quiet (``loaders_exiting`` in the status)."""
+    """A loader that answered may still hash the storages it left in their files (Note [Hashing
+    a file's storages after the answer] in overmind.warm.loader) and rebuild its segments out of
+    huge pages (Note [Huge pages for segments] in overmind.shared.memfd); it counts here until it
+    exits (EOF on its job socket), so a benchmark can wait for the machine to be quiet
+    (``loaders_exiting`` in the status)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.count = 0
 
-    def add(self, job: socket.socket, pid: int, timeout: float) -> None:
+    def add(self, job: socket.socket, pid: int, timeout: float,
+            contents: Optional[Callable[[list], object]] = None) -> None:
+        """Watch loader ``pid``'s ``job`` socket until it exits; its ``FileContents`` go to
+        ``contents`` (None: its answer was not filed, they are dropped)."""
         with self.lock:
             self.count += 1
 
         def wait_for_exit() -> None:
             try:
                 job.settimeout(timeout)
-                while job.recv(4096):
-                    pass  # a loader sends nothing more; whatever comes is dropped
-            except OSError:
-                pass
+                while True:
+                    message, blob, fds = P.recv_message(job, max_blob=CONTENTS_BLOB)
+                    P.close_fds(fds)
+                    if isinstance(message, P.FileContents) and contents is not None:
+                        contents(json.loads(blob))
+            except (OSError, EOFError, P.ProtocolError, ValueError):
+                pass  # exited, or said something else: nothing more is read
             finally:
                 job.close()
                 with self.lock:

@@ -22,6 +22,8 @@ holds the segment, with that entry's segment handles, so a loader can open the s
 through ``/proc/<server>/fd`` and check it is that file. The index is built per cold load
 from the entries themselves and handed to its loader with the job: nothing to keep
 consistent on eviction (a segment evicted meanwhile cannot be opened: its bytes are copied).
+The records of storages left in their model files may come after the entry (Note [Hashing a
+file's storages after the answer] in overmind.warm.loader).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class TooLarge(Exception):
     """An entry that alone exceeds the whole memory budget."""
 
 
+MAX_CONTENTS = 16000  # contents records kept per entry (a loader sends at most 8000 with its answer)
 DEFAULT_BUDGET_SHARE = 0.5  # of RAM: room for the models, and for the processes that use them
 
 
@@ -72,8 +75,7 @@ class CacheEntry:
     files: set = field(default_factory=set)  # (dev, ino) of slots that are model files: Note [File-backed segments]
 
     def __post_init__(self) -> None:
-        self.contents = [c for c in self.contents if isinstance(c, list) and len(c) == 4 and isinstance(c[0], str)
-                         and all(isinstance(v, int) for v in c[1:])]
+        self.contents = _valid_contents(self.contents)
         for slot in self.slots:
             if slot is None:
                 self.slot_ids.append(None)
@@ -105,6 +107,15 @@ class CacheEntry:
         fingerprint cannot see] in overmind.shared.calls). A record of another shape is from a loader
         that is not ours: stale, so the call loads again rather than trusting it."""
         return files_unchanged(self.meta.files)
+
+
+def _valid_contents(records) -> list:
+    """The well-formed ``[digest hex, nbytes, slot, offset]`` records of a loader's list, at most
+    MAX_CONTENTS of them (a loader's word is bounded like any frame's)."""
+    if not isinstance(records, list):
+        return []
+    return [c for c in records if isinstance(c, list) and len(c) == 4 and isinstance(c[0], str)
+            and all(type(v) is int and v >= 0 for v in c[1:])][:MAX_CONTENTS]
 
 
 def files_unchanged(records) -> bool:
@@ -340,6 +351,16 @@ class Registry:
         with self._lock:
             return {"entries": len(self._entries), "hits": self.hits, "evictions": self.evictions,
                     "stale_misses": self.stale, "budget": self.budget}
+
+    def add_contents(self, entry: CacheEntry, records) -> int:
+        """Contents records its loader sent after its answer (Note [Hashing a file's storages after
+        the answer] in overmind.warm.loader), for ``entry`` if it is still the one filed; how many were kept."""
+        with self._lock:
+            if self._entries.get(entry.key) is not entry:
+                return 0
+            valid = _valid_contents(records)[:MAX_CONTENTS - len(entry.contents)]
+            entry.contents.extend(valid)
+            return len(valid)
 
     def content_index(self) -> dict:
         """Regions of live segments by content, for loaders: Note [Content index]."""

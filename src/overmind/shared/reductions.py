@@ -6,7 +6,9 @@
     obj = unpack(packed.skeleton, [s.map_private() for s in segments])   # client side
 
 The pickle (the *skeleton*) holds everything but tensor bytes. Each distinct storage
-is copied once into a new sealed segment (or found in an existing one), and each
+is copied once into a new sealed segment (by a fill thread of ``overmind.shared.segment_writer``,
+where it goes: Notes [Parallel fill] and [Same alignment, same numbers] there) or found in
+an existing one, and each
 tensor or storage in the object graph becomes a persistent id: an index into a small
 table of :class:`StorageRef` and :class:`TensorRef` records stored beside the pickle.
 Unpickling maps each segment once, builds every table entry over that mapping with
@@ -28,32 +30,6 @@ tensors and ``nn.Parameter``\\s (with at most simple attributes) are built in on
 before unpickling, and the pickle refers to them by index, resolved in C by
 ``list.__getitem__``. Anything unusual (subclasses, hooks, conjugate bits, sparse or
 quantized layouts) takes torch's path, with its storage still a table entry.
-
-Note [Parallel fill]
-Filling shared memory is bound by the kernel allocating shmem pages, and two
-threads writing into one memfd contend on its inode. Each fill thread therefore owns
-its own segment: with two, filling runs ~2x faster here than with one
-(``benchmarks/core_rebuild.py``). The pickler only reserves offsets and queues the
-copies, so pickling overlaps the copying.
-
-Note [Same alignment, same numbers]
-CPU kernels (oneDNN convolutions, vectorised reductions) split their work by the
-address of the data, so the same weights at a different offset within a cache line
-can give different low-order bits. A plain ``from_pretrained`` leaves tensors where
-safetensors put them in the file mapping (often 8 bytes past a 64-byte boundary).
-Each storage is therefore placed at the same address modulo 64 as its source, and a
-cached model computes bit-identical outputs to a plain load of the same files.
-
-Note [Large storages on huge pages]
-A storage of ``HUGE_PAGE`` (2 MiB) bytes or more starts on a 2 MiB offset of its segment
-(plus its cache-line misalignment) where that skips at most 1/16 of its size, so its
-pages are whole huge pages of its own where the kernel backs segments with them (Note
-[Huge pages for segments] in ``overmind.shared.memfd``); others start on a page, as before.
-The gap left before an aligned storage is not wasted: smaller storages packed later
-fill it first-fit (page- or cache-line-aligned as before). On overmind-bench's ``base``
-models this aligns 72% of the large storages' bytes for 0.65% more segment size
-(aligning every one: 4.5%, the gaps refilled). Offsets are the same whatever the
-machine's huge-page setting; only how the segment is filled differs.
 
 Note [One mapping per load]
 ``unpack`` maps every segment afresh, so two loads in one process never share pages
@@ -99,24 +75,18 @@ from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
-from overmind.shared.memfd import ALIGNMENT, HUGE_PAGE, Segment, align_up, buffer_at
+from overmind.shared.memfd import Segment, buffer_at
 from overmind.shared.native import build_tensors, make_untyped_storage
+from overmind.shared.segment_writer import SegmentWriter
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["FORMAT", "StorageRef", "TensorRef", "Packed", "pack", "unpack", "PICKLE_PROTOCOL", "ContentStore",
-           "DEDUP_MIN_BYTES", "register_reducer"]
+           "DEDUP_MIN_BYTES", "register_reducer", "hash_regions"]
 
 PICKLE_PROTOCOL = 5
 FORMAT = "overmind-skeleton-2"
 _SIMPLE = (bool, int, float, str, type(None))
-# Storages smaller than a page are packed at cache-line alignment; larger ones start on a page,
-# and those of a huge page or more on a huge page: Note [Large storages on huge pages].
-_SMALL_ALIGNMENT = 64
-# A gap left before a huge-page-aligned storage is kept for later small storages if this large.
-_MIN_GAP = ALIGNMENT
-# A large storage moves to the next huge page only if that skips at most this share of its size.
-_MAX_PADDING_SHARE = 16
 
 
 class StorageRef(NamedTuple):
@@ -186,6 +156,10 @@ class ContentStore(Protocol):
         """``(external segment number, offset)`` where the ``nbytes`` at ``address`` are a model
         file's own pages (Note [File-backed segments] in overmind.shared.memfd), or None."""
 
+    def may_hold(self, nbytes: int) -> bool:
+        """Whether any region it could return has ``nbytes``: a storage of another size is never
+        found, so its hash may wait (Note [Hashing a file's storages after the answer] in overmind.warm.loader)."""
+
 @dataclass
 class Packed:
     skeleton: bytes
@@ -199,6 +173,9 @@ class Packed:
     # (xxh3-128 hex digest, nbytes, segment, offset) of every hashed storage, written or found.
     contents: list = field(default_factory=list)
     deduplicated: int = 0  # bytes found in a ContentStore instead of written
+    # (address, nbytes, segment, offset) of storages placed in a model file unhashed, for
+    # hash_regions: Note [Hashing a file's storages after the answer] in overmind.warm.loader
+    unhashed: list = field(default_factory=list)
 
     def map_private(self) -> list[Optional[mmap.mmap]]:
         """Map every new segment copy-on-write (for tests and in-process use)."""
@@ -224,101 +201,20 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-class _SegmentWriter:
-    """One growing segment and the thread that fills it (Note [Parallel fill])."""
-
-    def __init__(self, name: str, progress: Optional[Callable[[int], None]] = None) -> None:
-        self.name = name
-        self.progress = progress  # told the bytes of each storage once they are in the segment
-        self.segment: Optional[Segment] = None
-        self.end = 0
-        self.gaps: list[list[int]] = []  # [start, end) left before huge-page-aligned storages
-        self.pool = None  # a one-thread ThreadPoolExecutor, made on first use
-        self.pending: list = []
-
-    def reserve(self, nbytes: int, address: int) -> int:
-        if self.segment is None:
-            from concurrent.futures import ThreadPoolExecutor  # packing only: keep unpack's imports light
-
-            self.segment = Segment.create(self.name, 0)
-            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"overmind-fill-{self.name}")
-        # Keep the source's misalignment within a cache line: see Note [Same alignment, same numbers].
-        misalignment = address % _SMALL_ALIGNMENT
-        start = align_up(self.end, HUGE_PAGE)
-        if nbytes >= HUGE_PAGE and start - self.end <= nbytes // _MAX_PADDING_SHARE:
-            # Note [Large storages on huge pages]
-            if start - self.end >= _MIN_GAP:
-                self.gaps.append([self.end, start])
-            offset = start + misalignment
-        else:
-            alignment = ALIGNMENT if nbytes >= ALIGNMENT else _SMALL_ALIGNMENT
-            offset = self._from_gap(nbytes, alignment, misalignment)
-            if offset is not None:
-                return offset
-            offset = align_up(self.end, alignment) + misalignment
-        self.end = offset + nbytes
-        self.segment.size = max(self.segment.size, self.end)
-        return offset
-
-    def _from_gap(self, nbytes: int, alignment: int, misalignment: int) -> Optional[int]:
-        for i, gap in enumerate(self.gaps):
-            offset = align_up(gap[0], alignment) + misalignment
-            if offset + nbytes <= gap[1]:
-                gap[0] = offset + nbytes
-                if gap[1] - gap[0] < _SMALL_ALIGNMENT:
-                    del self.gaps[i]
-                return offset
-        return None
-
-    def write(self, offset: int, address: int, nbytes: int, keep: object) -> None:
-        assert self.pool is not None and self.segment is not None
-        # `keep` holds the source storage alive until its bytes are in the segment.
-        self.pending.append(self.pool.submit(self._write, offset, address, nbytes, keep))
-
-    def _write(self, offset: int, address: int, nbytes: int, keep: object) -> None:
-        # See Notes [Filling by pwrite] and [Huge pages for segments] in overmind.shared.memfd.
-        self.segment.write_at(offset, buffer_at(address, nbytes))
-        if self.progress is not None:
-            self.progress(nbytes)
-
-    def wait(self) -> None:
-        try:
-            for future in self.pending:
-                future.result()
-        finally:
-            self.pending.clear()
-            if self.pool is not None:
-                self.pool.shutdown(wait=True)
-                self.pool = None
-
-    def finish(self) -> Optional[Segment]:
-        self.wait()
-        if self.segment is None:
-            return None
-        self.segment.finish(align_up(self.end, ALIGNMENT))
-        return self.segment
-
-    def abort(self) -> None:
-        try:
-            self.wait()
-        except Exception:
-            pass
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
-
-
 class _Tables:
     """Pickling state: storage placement and the object table."""
 
     def __init__(self, name: str, store: Optional[ContentStore], writers: int,
-                 references: Optional[dict[int, str]] = None, progress: Optional[Callable[[int], None]] = None) -> None:
+                 references: Optional[dict[int, str]] = None, progress: Optional[Callable[[int], None]] = None,
+                 hash_files_later: bool = False) -> None:
         self.store = store
         self.progress = progress
+        self.hash_files_later = hash_files_later
         self.contents: list[tuple[str, int, int, int]] = []
+        self.unhashed: list[tuple[int, int, int, int]] = []
         self.deduplicated = 0
         self.references = references or {}
-        self.writers = [_SegmentWriter(f"{name}.{i}", progress) for i in range(max(1, writers))]
+        self.writers = [SegmentWriter(f"{name}.{i}", progress) for i in range(max(1, writers))]
         self.storages: list[StorageRef] = []
         self.storage_index: dict[tuple[int, int, str], int] = {}
         self.objects: list[tuple] = []
@@ -350,6 +246,12 @@ class _Tables:
         """Find the bytes in the store, else write them: Note [Stored once by content]."""
         import xxhash  # packing only: keep unpack's imports light
 
+        may_hold = getattr(self.store, "may_hold", None)
+        if self.hash_files_later and may_hold is not None and not may_hold(nbytes):
+            found = self._in_file(source, nbytes)
+            if found is not None:  # Note [Hashing a file's storages after the answer] in overmind.warm.loader
+                self.unhashed.append((source.data_ptr(), nbytes, *found))
+                return found
         digest = xxhash.xxh3_128_digest(buffer_at(source.data_ptr(), nbytes))
         found = self.store.find(digest, nbytes)
         if found is not None:
@@ -365,19 +267,27 @@ class _Tables:
     def _write(self, source: torch.UntypedStorage, nbytes: int) -> tuple[int, int]:
         if nbytes == 0:
             return 0, 0
-        # Small storages are copied: a file segment for a few of them would hold the whole file.
-        in_file = getattr(self.store, "in_file", None) if nbytes >= DEDUP_MIN_BYTES else None
-        found = in_file(source.data_ptr(), nbytes) if in_file is not None else None
-        if found is not None:  # Note [File-backed segments] in overmind.shared.memfd
-            if self.progress is not None:
-                self.progress(nbytes)
-            return len(self.writers) + found[0], found[1]
+        found = self._in_file(source, nbytes)
+        if found is not None:
+            return found
         number = min(range(len(self.writers)), key=lambda i: self.writers[i].end)
         writer = self.writers[number]
         offset = writer.reserve(nbytes, source.data_ptr())
         writer.write(offset, source.data_ptr(), nbytes, source)
         self.written += nbytes
         return number, offset
+
+    def _in_file(self, source: torch.UntypedStorage, nbytes: int) -> Optional[tuple[int, int]]:
+        """Where the store finds the storage's bytes as a model file's own pages (Note [File-backed
+        segments] in overmind.shared.memfd), as placed; None: they are to be written."""
+        # Small storages are copied: a file segment for a few of them would hold the whole file.
+        in_file = getattr(self.store, "in_file", None) if nbytes >= DEDUP_MIN_BYTES else None
+        found = in_file(source.data_ptr(), nbytes) if in_file is not None else None
+        if found is None:
+            return None
+        if self.progress is not None:
+            self.progress(nbytes)
+        return len(self.writers) + found[0], found[1]
 
     def add_object(self, key: tuple, record: tuple, keep: object) -> int:
         index = self.object_index.get(key)
@@ -471,7 +381,8 @@ def default_writers() -> int:
 
 
 def pack(obj, name: str = "overmind", store: Optional[ContentStore] = None, writers: Optional[int] = None,
-         references: Optional[dict[int, str]] = None, progress: Optional[Callable[[int], None]] = None) -> Packed:
+         references: Optional[dict[int, str]] = None, progress: Optional[Callable[[int], None]] = None,
+         hash_files_later: bool = False) -> Packed:
     """Pickle ``obj`` with its storages copied into new sealed segments.
 
     Stdlib pickle first; if it cannot handle an object (local functions, lambdas),
@@ -480,9 +391,11 @@ def pack(obj, name: str = "overmind", store: Optional[ContentStore] = None, writ
     supply itself (``unpack(..., references={key: object})``). With a ``store``, large
     storages whose bytes it already holds are not copied: Note [Stored once by content].
     ``progress`` is called with the bytes of each storage once they are in place (from the
-    fill threads too), for a loader's progress reports.
+    fill threads too), for a loader's progress reports. ``hash_files_later``: storages the
+    store places in a model file and could not find by content are left unhashed, in
+    ``Packed.unhashed`` (Note [Hashing a file's storages after the answer] in overmind.warm.loader).
     """
-    tables = _Tables(name, store, writers or default_writers(), references, progress)
+    tables = _Tables(name, store, writers or default_writers(), references, progress, hash_files_later)
     payload = io.BytesIO()
     used = "pickle"
     try:
@@ -504,7 +417,16 @@ def pack(obj, name: str = "overmind", store: Optional[ContentStore] = None, writ
     )
     tensors = sum(1 for o in tables.objects if type(o) is TensorRef)
     return Packed(skeleton, segments, tables.written, len(tables.storages), tensors, used, tables.contents,
-                  tables.deduplicated)
+                  tables.deduplicated, tables.unhashed)
+
+
+def hash_regions(unhashed: list) -> list[tuple[str, int, int, int]]:
+    """The ``Packed.contents`` records of ``Packed.unhashed``: their bytes hashed now, while the
+    packed object keeps them alive (Note [Hashing a file's storages after the answer] in overmind.warm.loader)."""
+    import xxhash
+
+    return [(xxhash.xxh3_128_digest(buffer_at(address, nbytes)).hex(), nbytes, segment, offset)
+            for address, nbytes, segment, offset in unhashed]
 
 
 def _build_storages(storages: list, views: Sequence[Optional[memoryview]], map_location) -> list:

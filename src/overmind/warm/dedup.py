@@ -10,12 +10,12 @@ overmind.server.registry.
 
 Note [Found regions are checked]
 The index comes from the server and names regions by inode; a segment is opened through
-``/proc/<server>/fd/<n>`` and refused unless it is a sealed memfd of that very inode
-(ARCHITECTURE.md, invariant 7: A segment is what it claims to be), and before a region
-replaces a copy, its bytes are hashed again here, from a mapping of the sealed segment itself. A
-stale index, an evicted entry, a reused fd number, a server whose fds cannot be opened this way,
-or a bug then costs a copy, never a wrong weight, and no hash is ever taken over memory a client
-can write.
+``/proc/<server>/fd/<n>`` and refused unless it is that very inode, a sealed memfd or the model
+file the server named (ARCHITECTURE.md, invariant 7: A segment is what it claims to be), and
+before a region replaces a copy, its bytes are hashed again here, from a private mapping of
+that segment. A stale index, an evicted entry, a reused fd number, a server whose fds cannot
+be opened this way, or a bug then costs a copy, never a wrong weight, and no hash is ever
+taken over memory a client can write.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class SegmentContents:
         except (KeyError, TypeError, ValueError) as err:  # no index: every storage is written, as before dedup
             logger.warning("malformed content index (%s); storing this load's bytes without dedup", err)
             self._index = {}
+        self._sizes = {nbytes for _, nbytes in self._index}
         self.fds: list[int] = []  # external segments, in the store's numbering
         self.sizes: list[int] = []
         self.holders: list[str] = []  # entries whose segments these are
@@ -79,6 +80,9 @@ class SegmentContents:
             self._used.add((number, offset))
             return number, offset
         return None
+
+    def may_hold(self, nbytes: int) -> bool:
+        return nbytes in self._sizes
 
     def in_file(self, address: int, nbytes: int) -> Optional[tuple[int, int]]:
         """Where a storage is a model file's own pages, that file as one more segment of this

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import struct
+import sys
 from bisect import bisect_right
 from typing import Optional
 
@@ -32,10 +32,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MappedFiles"]
 
-# pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst)
-_PRESENT = 1 << 63
-_SWAPPED = 1 << 62
-_FILE_OR_SHARED = 1 << 61
+# pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst), in an entry's top byte
+_PRESENT = 1 << 7  # bit 63
+_SWAPPED = 1 << 6  # bit 62
+_FILE_OR_SHARED = 1 << 5  # bit 61
+# 1 for a top byte whose page is not the file's own: swapped, or present and anonymous
+_TOP = 7 if sys.byteorder == "little" else 0  # the top byte's place in an entry
+_WRITTEN = bytes(int(bool(b & _SWAPPED or (b & _PRESENT and not b & _FILE_OR_SHARED))) for b in range(256))
 
 
 class MappedFiles:
@@ -101,10 +104,9 @@ class MappedFiles:
             entries = os.pread(self._pagemap, (last - first + 1) * 8, first * 8)
         except OSError:
             return False
-        for (entry,) in struct.iter_unpack("<Q", entries):
-            if entry & _SWAPPED or (entry & _PRESENT and not entry & _FILE_OR_SHARED):
-                return False  # a page this process wrote: an anonymous copy, not the file's
-        return len(entries) == (last - first + 1) * 8
+        # A page this process wrote is an anonymous copy, not the file's. The flags are each
+        # native-endian entry's top byte; one translate over those bytes looks at them all.
+        return len(entries) == (last - first + 1) * 8 and 1 not in entries[_TOP::8].translate(_WRITTEN)
 
     def _file(self, dev: int, ino: int, path: str) -> Optional[int]:
         number = self._numbers.get((dev, ino))

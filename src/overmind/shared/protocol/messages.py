@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from overmind.shared.protocol.base import Message, ProtocolError, message
 
-__all__ = ["Hello", "Welcome", "Error", "Load", "PlainLoaded", "Prefetch", "PrefetchReply", "Entry", "Pending", "GetFds", "Fds", "Contents", "Status", "StatusReply", "ListEntries", "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire", "InterpreterReady", "Job", "JobStarted", "JobResult", "LoadMeta", "FillProgress", "JobFailed", "Unforkable", "MESSAGE_TYPES"]
+__all__ = ["Hello", "Welcome", "Error", "Load", "PlainLoaded", "Prefetch", "PrefetchReply", "Entry", "Pending", "GetFds", "Fds", "Contents", "Status", "StatusReply", "ListEntries", "EntryList", "Evict", "Evicted", "Shutdown", "Ok", "Prepare", "Run", "RunRefused", "RunStarted", "RunExited", "Warm", "Fork", "Retire", "InterpreterReady", "Job", "JobStarted", "JobResult", "LoadMeta", "FillProgress", "FileContents", "JobFailed", "Unforkable", "MESSAGE_TYPES"]
 
 
 @message
@@ -366,6 +366,18 @@ class FillProgress(Message):
 
 
 @message
+class FileContents(Message):
+    """A loader that answered sends the contents records (``LoadMeta.contents``, as JSON in the
+    blob) of the storages it left in their model files unhashed (Note [Hashing a file's storages
+    after the answer] in overmind.warm.loader)."""
+
+    TYPE: ClassVar[int] = 50
+    WITH_BLOB: ClassVar[bool] = True
+    key: str
+    records: int
+
+
+@message
 class JobFailed(Message):
     TYPE: ClassVar[int] = 44
     key: str
@@ -392,6 +404,6 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (Hello, Welcome, Error, Load, Entry, Pending, GetFds, Fds, Contents, Status, StatusReply,
                 ListEntries, EntryList, Evict, Evicted, Shutdown, Ok, Prepare, Run, RunRefused, RunStarted, RunExited,
-                InterpreterReady, Job, JobStarted, JobResult, FillProgress, JobFailed, Unforkable, Warm, Fork, Retire, PlainLoaded, Prefetch,
+                InterpreterReady, Job, JobStarted, JobResult, FillProgress, FileContents, JobFailed, Unforkable, Warm, Fork, Retire, PlainLoaded, Prefetch,
                 PrefetchReply)
 }
