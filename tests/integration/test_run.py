@@ -295,6 +295,20 @@ def test_the_second_run_imports_nothing_the_first_imported(warm_server, tmp_path
     assert out == "True\n"
 
 
+def test_overminds_logging_in_a_run_is_plain_pythons_and_the_interpreters_reaches_the_server_log(warm_server, tmp_path):
+    script = tmp_path / "logs.py"
+    script.write_text("import json, logging, overmind\nours = logging.getLogger('overmind')\n"
+                      "print(json.dumps([len(ours.handlers), ours.level, ours.propagate]))\n")
+    plain = _plain(str(script), env=_env(warm_server), cwd=tmp_path).stdout
+    assert _warm_run(warm_server, str(script)).stdout == plain == "[0, 0, true]\n"
+    # The warm interpreter's own records go to the server's log, in the server's format.
+    deadline = time.monotonic() + 30
+    while "overmind.warm.interpreter[" not in warm_server.log() and time.monotonic() < deadline:
+        _warm_run(warm_server, "-c", "import xml.dom.pulldom")  # learned afterwards, which it says at INFO
+        time.sleep(0.5)
+    assert " INFO overmind.warm.interpreter[" in warm_server.log() and "learned what its clients imported" in warm_server.log()
+
+
 @pytest.fixture
 def installed_module():
     """A module file under site-packages: installed code a warm interpreter may hold."""

@@ -33,8 +33,8 @@ from typing import Optional
 
 from overmind import __version__
 from overmind.shared import protocol as P
-from overmind.shared.config import (Config, ConfigError, ensure_private_dir, open_runtime_file, read_runtime_file,
-                             write_runtime_file)
+from overmind.shared.config import (LOG_FORMAT, Config, ConfigError, ensure_private_dir, open_runtime_file,
+                                    read_runtime_file, write_runtime_file)
 from overmind.server.loads import MAX_TEXT, Loads, check_modules, check_request, reply_error
 from overmind.server.options import parse as parse_options
 from overmind.server.pool import WarmPool, LoadFailure, context_from_wire, run_from_wire
@@ -404,7 +404,7 @@ def _configure_logging(level: str, log_fd: int, foreground: bool) -> None:
     """``level`` is one of overmind.shared.config.LOG_LEVELS, checked by Config.from_env."""
     root = logging.getLogger("overmind")
     root.setLevel(level)
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    fmt = logging.Formatter(LOG_FORMAT)
     handler = logging.StreamHandler(os.fdopen(log_fd, "a", buffering=1))
     handler.setFormatter(fmt)
     root.addHandler(handler)

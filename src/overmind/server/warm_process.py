@@ -54,6 +54,7 @@ class WarmProcess:
         env = dict(self.start_env)
         env["OVERMIND_DISABLE"] = "1"  # a warm interpreter calls originals; it never patches
         env["OVERMIND_RUNTIME_DIR"] = str(config.runtime_dir)
+        env["OVERMIND_LOG_LEVEL"] = config.log_level  # its records and its loaders' join ours in the log
         code = f"from overmind.warm.interpreter import interpreter_main; interpreter_main({theirs.fileno()})"
         log = os.fdopen(open_runtime_file(config.log_path, os.O_WRONLY | os.O_APPEND), "ab")
         try:

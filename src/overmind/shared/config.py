@@ -70,7 +70,7 @@ __all__ = ["Config", "ConfigError", "default_runtime_dir", "default_state_dir", 
            "open_runtime_file",
            "write_runtime_file", "read_runtime_file", "patching_disabled", "prestart_enabled",
            "extra_patch_points", "flag", "selecting_environment", "ENV_PREFIXES", "ENV_NAMES", "FLAG_SPELLINGS",
-           "LOG_LEVELS", "COLD_MODES"]
+           "LOG_LEVELS", "LOG_FORMAT", "COLD_MODES"]
 
 # Environment a loader inherits from the client (and that selects its warm interpreter).
 ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "CUDA_", "NVIDIA_", "TORCH_", "PYTORCH_",
@@ -159,6 +159,8 @@ FLAG_SPELLINGS = "1, true, yes, on; 0, false, no, off or empty"
 _YES = ("1", "true", "yes", "on")
 _NO = ("", "0", "false", "no", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# The server log's lines, from the server and from its warm interpreters and loaders alike
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 COLD_MODES = ("background", "wait")
 
 # Where a bad yes/no value is told; None: ``warnings.warn``, pointing at the user's code. A

@@ -346,7 +346,9 @@ class WarmInterpreter:
             return
         last = max(self.to_learn.index(n) for n in names)
         now, self.to_learn = self.to_learn[:last + 1], self.to_learn[last + 1:]
+        started = time.monotonic()
         self.held.import_(now)
+        logger.debug("imported %d learned modules for a job in %.2fs", len(now), time.monotonic() - started)
         self.held.record_files()
         self._index()
         self._prime()
@@ -355,18 +357,22 @@ class WarmInterpreter:
         """One learned module, then back to select: a Fork waiting goes first (Note [Warm interpreters learn])."""
         name = self.to_learn.pop(0)
         yielding = _yield_cpu()
+        started = time.monotonic()
         try:
             self.held.import_([name])
         finally:
             if yielding:
                 os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        imported = time.monotonic()
         if self.held.tainted:
             self._say_unforkable()
             return
+        logger.debug("learned %s in %.2fs", name, imported - started)
         if not self.to_learn:
             self.held.record_files()
             self._index()
             self._prime()
+            logger.info("learned what its clients imported: %d modules held", len(sys.modules))
 
     def _say_unforkable(self) -> None:
         """Note [A tainted interpreter says so at once]."""
@@ -523,6 +529,20 @@ def _installed(name: str) -> bool:
 
 
 def interpreter_main(control_fd: int) -> None:
+    _log_to_server()
     interpreter = WarmInterpreter(socket.socket(fileno=control_fd))
     interpreter.start()
     interpreter.serve()
+
+
+def _log_to_server() -> None:
+    """Our records and our loaders' go to stderr, the server's log, as the server's own do; a
+    run's child takes this back (``overmind.warm.script``): its overmind records are the user's."""
+    from overmind.shared.config import LOG_FORMAT, LOG_LEVELS
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    ours = logging.getLogger("overmind")
+    ours.addHandler(handler)
+    ours.setLevel(level if (level := os.environ.get("OVERMIND_LOG_LEVEL", "").upper()) in LOG_LEVELS else "INFO")
+    ours.propagate = False

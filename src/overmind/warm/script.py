@@ -62,6 +62,7 @@ import gc
 import importlib
 import importlib.machinery
 import importlib.util
+import logging
 import marshal
 import os
 import runpy
@@ -204,6 +205,11 @@ def _reset_interpreter_state(env: dict[str, str]) -> None:
         for finalizer in list(weakref.finalize._registry):
             finalizer.atexit = False
     importlib.invalidate_caches()  # directory listings cached by the warm interpreter's imports
+    ours = logging.getLogger("overmind")  # the warm interpreter's, to the server's log (_log_to_server)
+    for handler in list(ours.handlers):
+        ours.removeHandler(handler)
+    ours.setLevel(logging.NOTSET)
+    ours.propagate = True
 
 
 def _reseed() -> None:
