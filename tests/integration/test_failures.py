@@ -500,6 +500,7 @@ def test_loader_exception_reaches_the_user_as_the_original_type(server, tmp_path
     assert expected in strict["message"]
     status = server.status()  # the server is unharmed, cached nothing, and ran the failing load once
     assert server.proc.poll() is None and status["entries"] == 0 and status["misses"] == 1, status
+    assert status["hits"] == 0 and status["plain_loads"] >= 1, status  # the later calls loaded plainly
 
 
 CRASHING_MODULE = '''

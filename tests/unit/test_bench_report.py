@@ -146,15 +146,15 @@ def _whole_results() -> dict:
 
     def runs(ready: float, wall: float, forked=False, hits=0) -> list[dict]:
         return [{"ready": ready + i, "used": ready + i + 0.1, "wall": wall + i, "forked": forked, "hits": hits,
-                 "misses": 0} for i in range(3)]
+                 "misses": 0, "plain_loads": 0} for i in range(3)]
 
     lm_runs = {("plain", "warm"): runs(5.0, 6.0), ("patched", "warm"): runs(4.5, 5.5, hits=1),
                ("run", "warm"): runs(0.2, 0.5, True, 1), ("plain", "cold"): runs(7.0, 8.0),
                ("run", "cold"): runs(0.25, 0.55, True, 1)}
     imports_runs = {("plain", "warm"): [{"ready": None, "used": None, "wall": w, "forked": False, "hits": 0,
-                                         "misses": 0} for w in (4.0, 4.2)],
+                                         "misses": 0, "plain_loads": 0} for w in (4.0, 4.2)],
                     ("run", "warm"): [{"ready": None, "used": None, "wall": w, "forked": True, "hits": 0,
-                                       "misses": 0} for w in (0.1, 0.3)]}
+                                       "misses": 0, "plain_loads": 0} for w in (0.1, 0.3)]}
     return {"scripts": {
         "lm": {"script": SCRIPTS["lm"], "runs": lm_runs, "status": "ok", "reason": None,
                "tensor_bytes": 2_200_000_000, "file_bytes": 2_200_000_100, "command": "python lm.py"},
@@ -215,7 +215,7 @@ def _curve_results() -> dict:
 
     def run(wall: float, hits: int) -> dict:
         return {"wall": wall, "ready": wall - 0.5, "used": wall - 0.2, "sum": 1234, "hits": hits,
-                "misses": 1 - hits, "forked": False, "fallback": False}
+                "misses": 1 - hits, "plain_loads": 0, "forked": False, "fallback": False}
 
     walls = {"1": (5.0, 5.4), "2": (4.0, 4.2), "3": (4.0, 4.0), "4": (3.9, 4.1), "5": (4.0, 4.0),
              "restart": (5.2, 5.0)}

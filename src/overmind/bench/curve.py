@@ -89,6 +89,7 @@ class WarmupCurve:
                "sum": int(used[3][1]) if used and len(used[3]) > 1 else None,
                "hits": after.get("hits", 0) - before.get("hits", 0),
                "misses": after.get("misses", 0) - before.get("misses", 0),
+               "plain_loads": after.get("plain_loads", 0) - before.get("plain_loads", 0),
                "forked": after.get("runs", 0) - before.get("runs", 0) == 1,
                "fallback": FALLBACK_MARK in proc.stderr}
         problem = None
@@ -152,7 +153,7 @@ class WarmupCurve:
                                           f"sum to {r['sum']}, plain's to {expected}: not the same model")
                     entry[mode][run].append(r)
                     self.echo(f"warm-up curve {name}: {mode} run {run}: {r['wall']:.2f} s, {r['hits']} hits, "
-                              f"{r['misses']} misses{', forked' if r['forked'] else ''}"
+                              f"{r['misses']} misses, {r['plain_loads']} plain{', forked' if r['forked'] else ''}"
                               f"{', FALLBACK' if r['fallback'] else ''}")
             finally:
                 server.stop()

@@ -66,7 +66,7 @@ Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` o
                          "runs": [{"run": "1"|...|"5"|"restart",
                                    "runs": [{"wall": float, "ready": float|null, "used": float|null,
                                              "sum": int|null, "hits": int, "misses": int,
-                                             "forked": bool, "fallback": bool}],
+                                             "plain_loads": int, "forked": bool, "fallback": bool}],
                                    "wall": summary|null, "x_plain": float|null}]}]}]}
     }
 
@@ -78,7 +78,8 @@ model, and each over ``tensor_bytes``. In ``whole_process``, times count from ju
 fresh process is started from the shell (the bench) to its model ready (loaded and moved,
 ``ready``), to every page of every weight read (``used``) and to its exit (``wall``); a run
 without a model (``-c "import ..."``) has only ``wall``. ``forked``: the server forked it from a
-warm interpreter; ``hits``/``misses``: the server's counters over the run. ``x_plain`` divides
+warm interpreter; ``hits``/``misses``/``plain_loads``: the server's counters over the run (a
+plain load found its key filling and loaded beside it). ``x_plain`` divides
 each median by plain's, same page cache state. In ``warmup_curve``, one entry per round of
 the curve's run ``run`` (1 to 5 back to back from a fresh server and an empty cache,
 ``restart`` after the server was restarted); ``sum``: the bytes the script read from its
@@ -267,7 +268,8 @@ def validate(doc: dict) -> None:
                      "reason": optional(str),
                      "results": [{"mode": one_of("plain", "patched", "run", "first_run"),
                                   "page_cache": one_of("warm", "cold"),
-                                  "runs": [{**times, "forked": bool, "hits": int, "misses": int}],
+                                  "runs": [{**times, "forked": bool, "hits": int, "misses": int,
+                                            "plain_loads": int}],
                                   "summary": {"ready": optional(_SUMMARY), "used": optional(_SUMMARY),
                                               "wall": _SUMMARY},
                                   "x_plain": {k: optional(_NUM) for k in times}}]}]})
@@ -280,7 +282,7 @@ def validate(doc: dict) -> None:
                                 "runs": [{"run": one_of("1", "2", "3", "4", "5", "restart"),
                                           "runs": [{"wall": _NUM, "ready": optional(_NUM), "used": optional(_NUM),
                                                     "sum": optional(int), "hits": int, "misses": int,
-                                                    "forked": bool, "fallback": bool}],
+                                                    "plain_loads": int, "forked": bool, "fallback": bool}],
                                           "wall": optional(_SUMMARY), "x_plain": optional(_NUM)}]}]}]})
     schema = {
         "schema_version": one_of(SCHEMA_VERSION), "tool": one_of("overmind-bench"), "overmind_version": str,

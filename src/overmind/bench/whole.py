@@ -281,7 +281,8 @@ class WholeProcess:
         run = {"status": proc.returncode, "ready": marks["ready"][0] if "ready" in marks else None,
                "used": marks["used"][0] if "used" in marks else None, "wall": wall,
                "forked": after["runs"] - before["runs"] == 1,
-               "hits": after["hits"] - before["hits"], "misses": after["misses"] - before["misses"]}
+               "hits": after["hits"] - before["hits"], "misses": after["misses"] - before["misses"],
+               "plain_loads": after.get("plain_loads", 0) - before.get("plain_loads", 0)}
         nbytes = int(marks["used"][3][0]) if "used" in marks and marks["used"][3] else None
         problems = []
         if proc.returncode != 0:
@@ -297,8 +298,9 @@ class WholeProcess:
         elif forks != 0 or not all(own):
             problems.append(f"{mode} run was forked ({forks} runs forked)")
         want = 0 if mode == "plain" else script.loads
-        if (run["hits"], run["misses"]) != (want, 0):
-            problems.append(f"{run['hits']} hits and {run['misses']} misses, not {want} and 0")
+        if (run["hits"], run["misses"], run["plain_loads"]) != (want, 0, 0):
+            problems.append(f"{run['hits']} hits, {run['misses']} misses and {run['plain_loads']} plain loads, "
+                            f"not {want}, 0 and 0")
         if mode == "first_run" and not {z.get("context") for z in after.get("interpreters") or []} - contexts:
             problems.append("the server started no interpreter for the new context")
         if mode != "plain" and FALLBACK_MARK in err:
@@ -408,7 +410,7 @@ class WholeProcess:
             return
         entry["tensor_bytes"] = done["tensor_bytes"] or entry["tensor_bytes"]
         entry["runs"].setdefault((mode, cache_state), []).append(
-            {k: done["run"][k] for k in ("ready", "used", "wall", "forked", "hits", "misses")})
+            {k: done["run"][k] for k in ("ready", "used", "wall", "forked", "hits", "misses", "plain_loads")})
         r = done["run"]
         times = ", ".join(f"{k} {r[k]:.2f} s" for k in ("ready", "used", "wall") if r[k] is not None)
         self.echo(f"whole process {script.name:<10} {mode:<9} page cache {cache_state:<4} run {round_ + 1}: {times}")

@@ -150,7 +150,7 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**info, "huge_pages": hp.as_dict()}, sort_keys=True))
         return EXIT_OK
-    first = ["pid", "version", "uptime", "entries", "used", "budget", "hits", "misses", "not_cacheable",
+    first = ["pid", "version", "uptime", "entries", "used", "budget", "hits", "misses", "plain_loads", "not_cacheable",
              "stale_misses", "evictions", "loading", "loaders_exiting"]
     special = ("bytes", "restore", "state", "ready", "file_segments", "packing")
     names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n not in special)

@@ -230,14 +230,15 @@ class Fills:
         self.waits: dict[str, str] = {}  # key of a fill waiting for another key's fill (a reference) -> that key
         self.lenders: dict[str, int] = {}  # key -> processes waiting for it that lend it their priority
         self.failures: "OrderedDict[str, _Failure]" = OrderedDict()
-        self.misses = 0
+        self.misses = 0  # clients' loads that started a fill
+        self.plain_loads = 0  # clients' loads that neither hit nor started a fill: loads_plainly
         self.joined = 0  # callers that joined a fill: Note [Joining a fill]
         self.can_lift_idle = can_lift_idle()
 
     def counters(self) -> dict:
         with self.lock:
-            return {"misses": self.misses, "loading": len(self.fills), "remembered_failures": len(self.failures),
-                    "joined": self.joined}
+            return {"misses": self.misses, "plain_loads": self.plain_loads, "loading": len(self.fills),
+                    "remembered_failures": len(self.failures), "joined": self.joined}
 
     def packing(self) -> list[dict]:
         """The fills whose loader reports its pack (Note [Joining a fill]): how far each is."""
@@ -284,6 +285,12 @@ class Fills:
         reply = self.registry.hit(entry, count)
         return Admission(reply=reply) if reply is not None else self.admit(key, lookup_only, count, background,
                                                                            caller)
+
+    def loads_plainly(self) -> None:
+        """A client's load that found no entry and starts no fill (its key filling or failing, or
+        the server busy): it loads plainly. Hits + misses + these = a client's loads."""
+        with self.lock:
+            self.plain_loads += 1
 
     def finish(self, fill: Fill, *, remember: bool) -> None:
         """End ``fill``, its ``entry`` or ``error`` set: wake its waiters; remember its failure per

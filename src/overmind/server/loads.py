@@ -186,10 +186,13 @@ class Loads:
         if admission.reply is not None:
             return self._send_entry(conn, admission.reply, hit=True)
         if admission.busy:
+            self.fills.loads_plainly()
             return P.send_message(conn, P.Pending(request.key, False, "the server is busy with other loads"))
         if admission.failure is not None:
             if admission.failure.code == P.ErrorCode.NOT_REBUILDABLE:
                 self.not_cacheable += 1  # Note [Results that cannot be rebuilt] in overmind.shared.quirks
+            if not request.lookup_only:
+                self.fills.loads_plainly()
             if request.wait or request.lookup_only:
                 return P.send_message(conn, admission.failure)
             return P.send_message(conn, P.Pending(request.key, False, admission.failure.message[:MAX_TEXT],
@@ -204,11 +207,14 @@ class Loads:
         if not (admission.started or request.wait or request.lookup_only):
             join = self.fills.join(request.key, self.plain_seconds.get(request.key), pid)
         if not (request.wait or request.lookup_only or join):
+            if not admission.started:  # it loads plainly beside the fill
+                self.fills.loads_plainly()
             return P.send_message(conn, P.Pending(request.key, True, ""))
         # Answer at once that we are alive and loading; the entry follows (Pending.waiting).
         P.send_message(conn, P.Pending(request.key, True, "", waiting=True))
         done = self.fills.wait(fill, pid, join)  # it lends the fill its priority
         if join and not done:  # slower than we thought: the caller loads plainly after all
+            self.fills.loads_plainly()
             return P.send_message(conn, P.Pending(request.key, True, "the fill took longer than a plain load"))
         if not done:
             return reply_error(conn, P.ErrorCode.LOADER_TIMEOUT, f"gave up waiting for {request.key}")

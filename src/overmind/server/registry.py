@@ -184,7 +184,7 @@ class Registry:
     def hit(self, entry: CacheEntry, count: bool = True) -> Optional[Reply]:
         """Count a hit (``count``) and copy what the reply needs; None if ``entry`` left the
         registry (evicted already). A request that waited for another's fill counts as a hit,
-        so hits + misses (overmind.server.fills) = requests."""
+        so hits + misses + plain loads (overmind.server.fills) = a client's loads."""
         with self._lock:
             if self._entries.get(entry.key) is not entry:
                 return None
@@ -222,9 +222,7 @@ class Registry:
         with self._lock:
             if self._entries.get(key) is not entry:
                 return None
-            entry.hits += 1
-            self.hits += 1
-            entry.last_used = time.time()
+            entry.last_used = time.time()  # a loader's reference is no client's hit
             reply = Reply(entry.key, entry.handles(), entry.nbytes, entry.meta, entry.skeleton)
             return reply, [os.dup(slot[0]) for slot in entry.slots if slot is not None]
 
