@@ -165,7 +165,7 @@ def test_one_fill_per_key_and_the_cap_on_fills_answers_busy(tmp_path):
     assert busy.busy and not busy.started and busy.fill is None
     again = fills.admit("k0")
     assert again.fill is started[0].fill and not again.started  # single flight
-    assert fills.counters() == {"misses": 3, "loading": 3, "remembered_failures": 0, "joined": 0}
+    assert fills.counters() == {"misses": 3, "plain_loads": 0, "loading": 3, "remembered_failures": 0, "joined": 0}
     assert fills.in_flight_besides("k0") and not _fills(tmp_path).in_flight_besides("k0")
 
 

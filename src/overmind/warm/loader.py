@@ -387,7 +387,7 @@ def _hash_behind(job_sock: socket.socket, key: str, unhashed: list) -> None:
     every_thread(os.getpid(), to_idle)
     started = time.monotonic()
     try:
-        records = hash_regions(unhashed)
+        records = hash_regions(unhashed[:MAX_CONTENTS])  # bounded as the answer's own records are
         P.send_message(job_sock, P.FileContents(key, len(records)), json.dumps(records).encode())
     except (OSError, ValueError) as err:  # the entry is served already; only later sharing is lost
         logger.warning("could not send the contents of %s's file storages: %s", key[:16], err)
