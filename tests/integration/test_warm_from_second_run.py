@@ -232,3 +232,42 @@ def test_the_first_overmind_run_of_a_context_teaches_its_imports_and_stays_plain
             break
         time.sleep(0.2)
     assert forked and out == "True\n", server.log()[-3000:]
+
+
+TEACHING_LOAD = """
+import os, time
+
+def load_weights(path):
+    import xml.dom.pulldom  # first imported inside the load, as transformers imports a model's module
+    log = os.path.join(os.environ["OVERMIND_RUNTIME_DIR"], "server.log")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with open(log) as f:
+            if "learned xml.dom.pulldom" in f.read():
+                return {"taught_while_loading": True}
+        time.sleep(0.1)
+    return {"taught_while_loading": False}
+"""
+
+
+def test_what_a_first_runs_load_imports_is_taught_while_it_loads(runtime_dir, tmp_path):
+    """Note [Teaching the interpreter while importing] in overmind.client.prefetch: the report goes
+    on through the loads, so the interpreter holds a module the load imported before the load
+    returns (the fill that follows forks from it)."""
+    (tmp_path / "teaching.py").write_text(TEACHING_LOAD)
+    server = ServerProcess(runtime_dir, {"OVERMIND_LOG_LEVEL": "DEBUG"})
+    try:
+        code = f"""
+import json, sys
+sys.path.insert(0, {str(tmp_path)!r})
+import overmind.api
+overmind.api.monkey_patch_all(["teaching::load_weights"])
+import teaching
+print(json.dumps(teaching.load_weights("weights")))
+"""
+        proc = subprocess.run([sys.executable, "-c", code], env=server.client_env(), capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert last_json(proc) == {"taught_while_loading": True}, server.log()[-3000:]
+    finally:
+        server.stop()
