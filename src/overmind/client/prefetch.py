@@ -61,7 +61,9 @@ Its loads import too: transformers imports a model's own module inside ``from_pr
 (1.3 s of the LM's first plain load), and its fill forks once the interpreter holds it (Note
 [Cold fills wait for their caller] in overmind.server.fills). Told only when that load had
 returned, the interpreter imported it then, and ``overmind run``'s run 2 of the LM in the
-minimal venv found the fill forked 0.9 s after run 1's load and loaded plainly beside it. A program with history taught them when it first ran, and reporting
+minimal venv found the fill forked 0.9 s after run 1's load and loaded plainly beside it (0.17 x
+plain); told while it loads, 0.7 s, and run 2 took 0.14-0.15 x (``benchmarks/real_envs.sh
+minimal``), still beside the fill: that interpreter starts with run 1 and imports what it did. A program with history taught them when it first ran, and reporting
 would slow a warm run's imports. The context's warm interpreter imports them too, on the core
 this script leaves idle, so the cache fills that the first load starts fork from an interpreter
 that already holds diffusers or transformers, and the next ``overmind run`` of the script finds
