@@ -36,7 +36,10 @@ of 0.17 in the minimal venv (``overmind-bench --scenarios warmup_curve --curve-s
 It still came before the fill was packed, mostly, and loaded plainly beside it (Note [Joining
 a fill]): a plain load is 0.1 s there, the rest of the pack 0.2 s, nearly all of it hashing.
 Since the pack leaves that for after its answer (Note [Hashing a file's storages after the
-answer] in overmind.warm.loader), run 2 finds the entry filed.
+answer] in overmind.warm.loader), run 2 finds the entry filed in the users' venv
+(``benchmarks/real_envs.sh users``); in the minimal venv, whose run 1 is a second quicker, the
+fill still forks after run 2 asks: the context's first interpreter is still importing what run 1
+did (Note [Teaching the interpreter while importing] in overmind.client.prefetch).
 
 Note [Cold fills yield to their caller]
 Once started, such a fill's loader runs under SCHED_IDLE, every thread of it (a ``Fill``):
