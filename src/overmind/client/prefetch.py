@@ -53,22 +53,22 @@ pages too), within the same budget. ``overmind-bench --scenarios warmup_curve --
 measures it: run 2 with the model's files evicted before every run.
 
 Note [Teaching the interpreter while importing]
-In a program's first run with this server (no history for it), the same thread tells the server,
-every REPORT_INTERVAL while the script imports, once more as its first load begins, and on
-through its loads until no module came for REPORT_QUIET intervals, which modules it has
+In a program's first run with this server (no history for it), the same thread tells the
+server, every REPORT_INTERVAL while the script imports, once more as its first load begins, and
+on through its loads until no module came for REPORT_QUIET intervals, which modules it has
 imported since it last said (``Prepare.modules``; the names only: see ``new_module_names``).
-Its loads import too: transformers imports a model's own module inside ``from_pretrained``
-(1.3 s of the LM's first plain load), and its fill forks once the interpreter holds it (Note
-[Cold fills wait for their caller] in overmind.server.fills). Told only when that load had
-returned, the interpreter imported it then, and ``overmind run``'s run 2 of the LM in the
-minimal venv found the fill forked 0.9 s after run 1's load and loaded plainly beside it (0.17 x
-plain); told while it loads, 0.7 s, and run 2 took 0.14-0.15 x (``benchmarks/real_envs.sh
-minimal``), still beside the fill: that interpreter starts with run 1 and imports what it did. A program with history taught them when it first ran, and reporting
-would slow a warm run's imports. The context's warm interpreter imports them too, on the core
-this script leaves idle, so the cache fills that the first load starts fork from an interpreter
-that already holds diffusers or transformers, and the next ``overmind run`` of the script finds
-everything imported (Note [Warm interpreters learn] in
-overmind.warm.interpreter).
+Its loads import too: transformers imports a model's own module inside ``from_pretrained`` (1.3
+s of the LM's first plain load), and its fill forks once the interpreter holds it (Note [Cold
+fills wait for their caller] in overmind.server.fills). Told only when that load had returned,
+the interpreter imported it then, and ``overmind run``'s run 2 of the LM in the minimal venv
+found the fill forked 0.9 s after run 1's load and loaded plainly beside it (0.17 x plain);
+told while it loads, 0.7 s, and run 2 took 0.14-0.15 x (``benchmarks/real_envs.sh minimal``),
+still beside the fill: that interpreter starts with run 1 and imports what it did. A program
+with history taught them when it first ran, and reporting would slow a warm run's imports. The
+context's warm interpreter imports them too, on the core this script leaves idle, so the cache
+fills that the first load starts fork from an interpreter that already holds diffusers or
+transformers, and the next ``overmind run`` of the script finds everything imported (Note [Warm
+interpreters learn] in overmind.warm.interpreter).
 """
 
 from __future__ import annotations

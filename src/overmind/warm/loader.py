@@ -15,23 +15,22 @@ Note [Hashing a file's storages after the answer]
 Every storage of 64 KiB or more is hashed as it is packed, so that a later load can find its
 bytes (Note [Stored once by content] in overmind.shared.reductions). For a storage that stays
 in its model file (Note [File-backed segments] in overmind.shared.memfd) that hash was nearly
-all of the pack: the LM of ``overmind-bench`` (2.1 GB of bf16 safetensors, every weight in
-the file; packed in one process after its plain load, profiled) took 0.74 s to pack, 0.60 s
-of it xxh3 over pages the loader had not touched yet, and ``overmind run``'s run 2, started
-0.1 s after run 1 exited, found its fill still packing and loaded plainly beside it (Note
-[Joining a fill] in overmind.server.fills). Yet the entry
-needs no hash: only a later load's pack does, to find these bytes. So a pack large enough to
-report its progress leaves a storage it places in a file unhashed when no region of the
-index has its size (nothing there could match it); the loader answers, then hashes those at
-idle priority and sends their records (``FileContents``) on the job socket, which the server
-adds to the entry while it waits for the loader to exit. A load whose pack starts before
-they arrive (a copy of the same model, loaded within that second), or after the loader died
-first, does not find them: it keeps its own file's pages, which cost no memory until the
-server settles both files into sealed memory, never a wrong weight (a found region is hashed
-again before use). Smaller packs hash as before: they take milliseconds either way.
-The same pack now takes 0.04 s (0.02 s of it reading ``/proc/self/pagemap``), and run 2 of
-``overmind-bench --scenarios warmup_curve --curve-scripts lm --imports pandas`` hit in both
-rounds (0.09 x plain; it was 0.11 x, loading plainly).
+all of the pack: the LM of ``overmind-bench`` (2.1 GB of bf16 safetensors, every weight in the
+file; packed in one process after its plain load, profiled) took 0.74 s to pack, 0.60 s of it
+xxh3 over pages the loader had not touched yet, and ``overmind run``'s run 2, started 0.1 s
+after run 1 exited, found its fill still packing and loaded plainly beside it (Note [Joining a
+fill] in overmind.server.fills). Yet the entry needs no hash: only a later load's pack does, to
+find these bytes. So a pack large enough to report its progress leaves a storage it places in a
+file unhashed when no region of the index has its size (nothing there could match it); the
+loader answers, then hashes those at idle priority and sends their records (``FileContents``)
+on the job socket, which the server adds to the entry while it waits for the loader to exit. A
+load whose pack starts before they arrive (a copy of the same model, loaded within that
+second), or after the loader died first, does not find them: it keeps its own file's pages,
+which cost no memory until the server settles both files into sealed memory, never a wrong
+weight (a found region is hashed again before use). Smaller packs hash as before: they take
+milliseconds either way. The same pack now takes 0.04 s (0.02 s of it reading
+``/proc/self/pagemap``), and run 2 of ``overmind-bench --scenarios warmup_curve --curve-scripts
+lm --imports pandas`` hit in both rounds (0.09 x plain; it was 0.11 x, loading plainly).
 """
 
 from __future__ import annotations
@@ -369,22 +368,25 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         except OSError:
             pass
         return 1
+    segments = [seg for seg in packed.segments if seg is not None]
+    if packed.unhashed or any(seg.huge for seg in segments):
+        from overmind.shared.priority import every_thread, to_idle
+
+        every_thread(os.getpid(), to_idle)  # what is left runs behind the served entry, on CPU nobody wants
     if packed.unhashed:
         _hash_behind(job_sock, job.key, packed.unhashed)
     try:
-        _collapse_behind([seg for seg in packed.segments if seg is not None])
+        _collapse_behind(segments)
     except Exception:  # the entry is served already; small pages are only slower
         logger.exception("rebuilding segments out of huge pages failed")
     return 0
 
 
 def _hash_behind(job_sock: socket.socket, key: str, unhashed: list) -> None:
-    """After the answer: hash the storages the pack left in their files unhashed, at idle
-    priority, and send their contents records (Note [Hashing a file's storages after the answer])."""
-    from overmind.shared.priority import every_thread, to_idle
+    """After the answer, at idle priority: hash the storages the pack left in their files
+    unhashed and send their contents records (Note [Hashing a file's storages after the answer])."""
     from overmind.shared.reductions import hash_regions
 
-    every_thread(os.getpid(), to_idle)
     started = time.monotonic()
     try:
         records = hash_regions(unhashed[:MAX_CONTENTS])  # bounded as the answer's own records are
@@ -396,14 +398,11 @@ def _hash_behind(job_sock: socket.socket, key: str, unhashed: list) -> None:
 
 
 def _collapse_behind(segments: list) -> None:
-    """After the answer: rebuild the new segments out of huge pages, at idle priority, while
+    """After the answer, at idle priority: rebuild the new segments out of huge pages while
     the entry is already served (Note [Huge pages for segments] in overmind.shared.memfd). The
     server counts this loader among those exiting until it exits (EOF on ``job_sock``)."""
     if not any(seg.huge for seg in segments):
         return
-    from overmind.shared.priority import every_thread, to_idle
-
-    every_thread(os.getpid(), to_idle)
     started, asked = time.monotonic(), sum(seg.size for seg in segments)
     done = sum(seg.collapse_to_huge_pages() for seg in segments)
     logger.debug("huge pages for %d of %d bytes in %.2f s", done, asked, time.monotonic() - started)

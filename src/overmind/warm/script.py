@@ -18,8 +18,9 @@ The spec is a ``RunSpec`` on the wire (overmind.shared.contexts): mode, target, 
 whole environment, umask and the signals the caller's shell ignored.
 
 What the warm interpreter must do: ``gc.freeze()`` before each fork (a run's garbage collections and its
-exit then never walk, or copy, the warm interpreter's pages); register no atexit callback and configure no
-logging handler of its own (the child inherits both); keep no threads.
+exit then never walk, or copy, the warm interpreter's pages); register no atexit callback (the child
+inherits it); configure logging only on the ``overmind`` logger, which ``become`` gives back to the
+run as plain python has it; keep no threads.
 
 Note [What a warm run cannot make identical]
 A fork inherits what no Python code can undo; these differ from a fresh ``python``:
