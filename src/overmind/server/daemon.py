@@ -274,7 +274,8 @@ class Server:
                                                             frame_timeout=FRAME_TIMEOUT)
                     except socket.timeout:
                         return  # idle: the client reconnects when it needs us again
-                    self.settler.touch()
+                    if not isinstance(message, (P.Status, P.ListEntries)):  # looking on is no use of the machine
+                        self.settler.touch()
                     if not isinstance(message, P.Run):
                         P.close_fds(fds)  # only a run brings fds: its stdio
                         fds = []

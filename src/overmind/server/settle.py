@@ -2,7 +2,7 @@
 
     settler = Settler(registry, idle_after=config.settle_after, stopping=server.stopping)
     threading.Thread(target=settler.run).start()
-    settler.touch()                      # every request: the machine is in use
+    settler.touch()                      # every request but a status or a list: the machine is in use
 
 Note [Settling file segments]
 An entry whose weights were a model file's own pages is served from that file (Note
@@ -21,7 +21,8 @@ a time):
   than any gap between requests of runs back to back, so those are left alone; set empty:
   never, not even as below), every file segment, most recently used entry first, pausing
   whenever a request comes, until the next such quiet (``0``: at once, which the tests use to
-  see hits in memfds). It was 5 s, which a run's imports (its ``Prefetch`` to its first
+  see hits in memfds). A status or a listing is no request here: a tool that polls them (the
+  tests do, every 0.2 s) would otherwise keep the copy from ever starting. It was 5 s, which a run's imports (its ``Prefetch`` to its first
   ``Load``) and the gap to the next run's start both came close to on this machine: the copy
   crept into the later runs of a back-to-back loop of the ControlNet script with
   ``monkey_patch_all()`` and slowed them (seen by hand, ``overmind status`` after each run);
