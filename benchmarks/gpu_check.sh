@@ -38,6 +38,10 @@
 # curve's modes (default patched,run).
 # GPU_CHECK_INSTALL=auto|always|never (auto: install unless `import overmind` already finds
 # this checkout's src/overmind).
+# GPU_CHECK_STEPS picks the steps after setup for a rerun (default imports,tests,bench,h2d), e.g.
+# GPU_CHECK_STEPS=tests,bench GPU_CHECK_CURVE_MODES=run. The bench keeps its worker logs and each
+# curve server's log (--keep-logs); extra.tar.gz holds them.
+# GPU_CHECK_TEST_TIMEOUT (default 75 s) is pytest's limit for one GPU test.
 set -u
 case ${1:-} in -h|--help) sed -n '2,/^set -u$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 
@@ -50,6 +54,8 @@ SITE=${GPU_CHECK_SITE:-$("$PY" -c "import site; print(site.getusersitepackages()
 BENCH_CACHE=${OVERMIND_BENCH_CACHE:-/tmp/overmind-bench-cache}
 export OVERMIND_BENCH_CACHE=$BENCH_CACHE
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
+STEPS_WANTED=",${GPU_CHECK_STEPS:-imports,tests,bench,h2d},"
+wanted() { [[ $STEPS_WANTED == *",$1,"* ]]; }
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 # Every process this run starts inherits it: how reap_servers knows the servers that are its own.
@@ -66,6 +72,17 @@ HAVE_CUDA=0
 SKIPWHY=""
 
 say() { echo "[gpu_check $(( $(date +%s) - START ))s] $*" | tee -a "$CONSOLE"; }
+
+# The seconds the steps after this one keep for themselves: later STEP SECONDS [STEP SECONDS...],
+# counting only the steps GPU_CHECK_STEPS wants.
+later() {
+    local sum=0
+    while (( $# >= 2 )); do
+        wanted "$1" && sum=$((sum + $2))
+        shift 2
+    done
+    echo "$sum"
+}
 
 # The seconds a step may take: at most CAP, leaving LATER seconds to the steps after it.
 budget() {
@@ -101,7 +118,8 @@ reap_servers() {
         pid=$(awk '{print $1; exit}' "$dir/server.pid" 2>/dev/null)
         [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || continue
         tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qxF "GPU_CHECK_RUN=$GPU_CHECK_RUN" || continue
-        say "a server the step left running: pid $pid in $dir; shutting it down"
+        say "a server the step left running: pid $pid in $dir; shutting it down (its log: extra.tar.gz)"
+        cp "$dir/server.log" "$WORK/server-$(basename "$dir").log" 2>/dev/null
         timeout 10 "$PY" -m overmind.frontend.cli --runtime-dir "$dir" shutdown > /dev/null 2>&1
         sleep 1
         kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null
@@ -335,7 +353,8 @@ step_tests() {
     # test_gpu.py is marked gpu as a whole; the bitsandbytes tests are not (`-m gpu` would deselect them).
     "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
     # A test's own limit well inside the step's, so that pytest lives to print what failed.
-    run_step tests 170 170 40 -- "$PY" -m pytest -q -rfEsxX --tb=short -p no:cacheprovider --timeout=75 \
+    run_step tests 170 $(later bench 110 h2d 60) 40 -- "$PY" -m pytest -q -rfEsxX --tb=short -p no:cacheprovider \
+        --timeout="${GPU_CHECK_TEST_TIMEOUT:-75}" \
         "${xdist[@]+"${xdist[@]}"}" "${files[@]}"
     record tests "$(status_of "$RC")" "$SECS" "$RC" "$SKIPWHY${files[*]}"
 }
@@ -345,15 +364,17 @@ step_tests() {
 step_bench() {
     wait_models
     if [ "$HAVE_CUDA" = 1 ]; then
-        run_step bench 220 60 100 -- "$PY" -m overmind.bench --scenarios warmup_curve --curve-scripts controlnet \
+        run_step bench 220 $(later h2d 60) 100 -- "$PY" -m overmind.bench --scenarios warmup_curve --curve-scripts controlnet \
             --curve-modes "${GPU_CHECK_CURVE_MODES:-patched,run}" \
-            --curve-rounds 1 --scale base --device cuda --cache-dir "$BENCH_CACHE" --no-progress --json "$OUT/bench.json"
+            --curve-rounds 1 --scale base --device cuda --cache-dir "$BENCH_CACHE" --no-progress --keep-logs \
+            --json "$OUT/bench.json"
         record bench "$(status_of "$RC")" "$SECS" "$RC" "${SKIPWHY}ControlNet, SD1.5 sizes, .to('cuda'), 1 round"
     else
         record bench skipped 0 "" "skipped: no CUDA"
         if [ "${GPU_CHECK_CPU_BENCH:-1}" = 1 ]; then
             run_step bench-cpu 200 20 60 -- "$PY" -m overmind.bench --scenarios warmup_curve --curve-scripts controlnet \
-                --curve-rounds 1 --scale small --device cpu --cache-dir "$BENCH_CACHE" --no-progress --json "$OUT/bench.json"
+                --curve-rounds 1 --scale small --device cpu --cache-dir "$BENCH_CACHE" --no-progress --keep-logs \
+                --json "$OUT/bench.json"
             record bench-cpu "$(status_of "$RC")" "$SECS" "$RC" "${SKIPWHY}CPU stand-in: ControlNet, small models, .to('cpu'), 1 round"
         fi
     fi
@@ -481,12 +502,12 @@ pack() {
 }
 
 step_setup
-start_models
-start_imports
-step_tests
+if wanted bench || wanted h2d; then start_models; fi
+if wanted imports; then start_imports; fi
+if wanted tests; then step_tests; fi
 wait_imports
-step_bench
-step_h2d
+if wanted bench; then step_bench; fi
+if wanted h2d; then step_h2d; fi
 say "=== summary"
 write_summary | tee -a "$CONSOLE"
 pack

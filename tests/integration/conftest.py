@@ -118,6 +118,16 @@ class ServerProcess:
                 stream.close()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that ran a server reports the end of its log: on a lent GPU machine, or in
+    CI, the log is gone with the runtime dir once the test is."""
+    report = (yield).get_result()
+    server = getattr(item, "funcargs", {}).get("server")
+    if report.when == "call" and report.failed and isinstance(server, ServerProcess):
+        report.sections.append(("overmind-server log, last 6000 characters", server.log()[-6000:]))
+
+
 @pytest.fixture
 def runtime_dir(tmp_path_factory) -> Path:
     # AF_UNIX paths are limited to 108 bytes: keep the runtime dir short.

@@ -25,7 +25,7 @@ from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
 
 def digest(t):
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 def quant_state(p):
     qs = getattr(p, "quant_state", None)
@@ -39,8 +39,8 @@ model = LlamaForCausalLM.from_pretrained(PATH, quantization_config=BitsAndBytesC
 weight = model.model.layers[0].self_attn.q_proj.weight
 state = [type(weight).__name__, digest(weight), quant_state(weight)]
 with torch.no_grad():
-    logits = model(torch.tensor([[1, 7, 42, 3, 99, 250, 511, 0, 17, 64]])).logits
-print(json.dumps({"weight": state, "logits": logits.flatten().tolist()}))
+    logits = model(torch.tensor([[1, 7, 42, 3, 99, 250, 511, 0, 17, 64]], device=model.device)).logits
+print(json.dumps({"weight": state, "device": str(weight.device), "logits": logits.flatten().tolist()}))
 '''
 
 CONFIGS = {
@@ -67,5 +67,5 @@ def test_warm_quantized_lm_logits_equal_a_plain_quantized_load(server, models, p
 
     assert plain["weight"][0] == ("Int8Params" if config.get("load_in_8bit") else "Params4bit")
     for result in (cold, warm):
-        assert result["weight"] == plain["weight"]
+        assert result["weight"] == plain["weight"] and result["device"] == plain["device"]
         assert result["logits"] == plain["logits"]  # bit-identical, not close

@@ -43,8 +43,8 @@ def load(path, **quantization):
 
 
 def logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(INPUT_IDS).logits
+    with torch.no_grad():  # on a GPU, transformers puts a quantised model on it
+        return model(INPUT_IDS.to(model.device)).logits
 
 
 def round_trip(model):
@@ -73,6 +73,11 @@ def assert_same_quant_state(got, want) -> None:
             assert getattr(got, name) == value, name
 
 
+def in_segment(ranges, tensor) -> bool:
+    """A CPU tensor is rebuilt inside the segment; a CUDA one is copied back to its device."""
+    return inside(ranges, tensor) if tensor.device.type == "cpu" else tensor.device.type == "cuda"
+
+
 def assert_same_parameters(again, model, ranges) -> None:
     got = dict(again.named_parameters(remove_duplicate=False))
     want = dict(model.named_parameters(remove_duplicate=False))
@@ -83,8 +88,8 @@ def assert_same_parameters(again, model, ranges) -> None:
         assert type(q) is type(p), name
         assert q.requires_grad == p.requires_grad, name
         assert q.dtype == p.dtype and q.shape == p.shape, name
-        assert torch.equal(q.data, p.data), name
-        assert inside(ranges, q), f"{name} was copied out of the segment"
+        assert torch.equal(q.data, p.data) and q.device == p.device, name
+        assert in_segment(ranges, q), f"{name} was copied out of the segment"
         assert set(q.__dict__) == set(p.__dict__), name
         if isinstance(p, Params4bit):
             quantized += 1
@@ -92,7 +97,7 @@ def assert_same_parameters(again, model, ranges) -> None:
                 assert getattr(q, attr) == getattr(p, attr), (name, attr)
             assert_same_quant_state(q.quant_state, p.quant_state)
             for t in state_tensors(q.quant_state):
-                assert inside(ranges, t), f"{name}.quant_state tensor was copied out of the segment"
+                assert in_segment(ranges, t), f"{name}.quant_state tensor was copied out of the segment"
         elif isinstance(p, Int8Params):
             quantized += 1
             assert q.has_fp16_weights == p.has_fp16_weights
@@ -101,7 +106,7 @@ def assert_same_parameters(again, model, ranges) -> None:
                     assert getattr(q, attr) is None, (name, attr)
                 else:
                     assert torch.equal(getattr(q, attr), getattr(p, attr)), (name, attr)
-                    assert inside(ranges, getattr(q, attr)), (name, attr)
+                    assert in_segment(ranges, getattr(q, attr)), (name, attr)
             if p.CB is not None:
                 assert q.CB.data_ptr() == q.data_ptr(), "CB and the weight share one storage"
     assert quantized == 14  # 7 linear layers in each of 2 decoder layers

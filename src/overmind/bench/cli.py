@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the results here (schema: overmind.bench.report)")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="bar chart of the phases (needs matplotlib)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while generating models")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep the worker logs and the warm-up curve's server logs when every run passed "
+                             "(a failure always keeps them)")
     return parser
 
 
@@ -399,7 +402,10 @@ def _run(args: argparse.Namespace, argv: list[str], plan: Plan, extra: dict, sta
     if failed:
         say(f"overmind-bench: failed: {', '.join(failed)}; worker logs kept in {log_dir}")
         return EXIT_FAILED
-    shutil.rmtree(log_dir, ignore_errors=True)
+    if args.keep_logs:
+        say(f"worker logs kept in {log_dir}")
+    else:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return EXIT_OK
 
 

@@ -156,6 +156,9 @@ class WarmupCurve:
                               f"{r['misses']} misses, {r['plain_loads']} plain{', forked' if r['forked'] else ''}"
                               f"{', FALLBACK' if r['fallback'] else ''}")
             finally:
+                # The server's own account of the round (its log goes with its runtime directory).
+                (self.log_dir / f"curve-server-{script.name}-{cache_state}-{setting}-{mode}-{round_ + 1}.log").write_text(
+                    server.log())
                 server.stop()
 
     def close(self) -> None:
