@@ -1,12 +1,15 @@
 """CUDA through the real server (skipped without a GPU): a hit moved to the GPU computes what
-plain python's model computes there, and a checkpoint of CUDA tensors comes back on its device."""
+plain python's model computes there, a checkpoint of CUDA tensors comes back on its device, and
+`overmind run` of a diffusers script that uses the GPU forks from run 2."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ..conftest import age_files
 from .conftest import last_json
+from .test_run import _run, _runs, _wait_warm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -59,3 +62,26 @@ def test_a_checkpoint_of_cuda_tensors_comes_back_on_its_device(server, tmp_path)
     server.wait_idle()
     assert _python(server, code, "patched") == plain
     assert plain["w"][0].startswith("cuda")
+
+
+def test_overmind_run_of_a_gpu_script_forks_from_run_2(server, models, tmp_path):
+    """On a GPU machine the warm interpreter's imports ask whether CUDA is there; NVML's driver
+    thread must not stop it forking (Note [NVML answered from outside] in overmind.warm.devices)."""
+    script = tmp_path / "unet_cuda.py"
+    script.write_text(UNET_ON_CUDA.format(path=str(models["unet"])))
+    age_files(script)
+    env = server.client_env(MODE="patched")
+    forked, outputs = [], []
+    for _ in range(3):
+        before = _runs(server)
+        proc = _run(server, str(script), env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        forked.append(_runs(server) > before)
+        outputs.append(last_json(proc))
+        server.wait_idle()
+        _wait_warm(server)
+    log = server.log()
+    assert forked == [False, True, True], log[-8000:]
+    assert [out["hit"] for out in outputs] == [False, True, True], log[-8000:]
+    assert len({(out["sum"], tuple(out["head"])) for out in outputs}) == 1
+    assert "nobody vouches for" not in log, log[-8000:]

@@ -27,11 +27,12 @@ pyarrow's jemalloc starts ``jemalloc_bg_thd``). Each is judged by evidence:
 - jemalloc's background thread (``jemalloc_bg_thd``) is forked past: jemalloc's own fork
   handlers take its locks before the fork and reset them after, and the child runs with
   background threads off (the one way it differs from plain, in how freed memory is purged).
-- NVML is shut down (``nvmlShutdown`` until it says it is not running): the interpreter's imports
-  ask it whether CUDA is there (Note [Warm interpreters never touch CUDA] in overmind.server.pool),
-  torch starts it on each such question and never stops it, and a child that asks again starts
-  it afresh. Seen on an H200 (benchmarks/gpu_check.sh): a driver thread appeared while diffusers
-  imported, with CUDA not initialised.
+- NVML: the interpreter's imports ask whether CUDA is there (Note [Warm interpreters never touch
+  CUDA] in overmind.server.pool), and NVML starts a driver thread that outlives ``nvmlShutdown``
+  (seen on an H200 and an H100, benchmarks/gpu_check.sh). So torch's NVML questions are answered
+  by a process of their own (Note [NVML answered from outside] in overmind.warm.devices), and an
+  NVML that a library started itself is still shut down (``nvmlShutdown`` until it says it is
+  not running) before threads are counted.
 - Anything else (a CUDA driver thread, a library's timer, a Python thread) is a stranger:
   the interpreter will not fork past it. The module whose import started it is blamed
   (:class:`Watch`) and refused, so the context's next interpreter does not import it: a
@@ -54,6 +55,8 @@ import os
 import sys
 import threading
 import time
+
+from overmind.warm import devices
 
 __all__ = ["ThreadCensus", "Watch", "Refused", "thread_ids", "thread_names", "started_since", "stop_openblas_pools",
            "stop_pools", "cuda_note", "FORK_SAFE"]
@@ -236,8 +239,12 @@ def _cuda_refused():
         original = getattr(torch_c, name, None)
         if original is not None and not getattr(original, "_overmind_guard", False):
             setattr(torch_c, name, _guarded(name, original))
-    cuda = getattr(torch, "cuda", None) if hasattr(torch_c, "_cuda_getDeviceCount") else None
-    original = getattr(cuda, "get_device_capability", None)
+    cuda = getattr(torch, "cuda", None)
+    for name, answer in (("_raw_device_count_nvml", devices.raw_count), ("_raw_device_uuid_nvml", devices.raw_uuids)):
+        original = getattr(cuda, name, None)
+        if original is not None and not getattr(original, "_overmind_guard", False):
+            setattr(cuda, name, _answered_outside(original, answer))
+    original = getattr(cuda, "get_device_capability", None) if hasattr(torch_c, "_cuda_getDeviceCount") else None
     if original is not None and not getattr(original, "_overmind_guard", False):
         cuda.get_device_capability = _capability_from_nvml(original)
     _importing = True
@@ -248,10 +255,11 @@ def _cuda_refused():
 
 
 def _capability_from_nvml(original):
-    """``torch.cuda.get_device_capability`` answered by NVML while a warm interpreter imports (a
-    device's compute capability is the hardware's: the answer is the one CUDA would give), so that
-    an import that sizes itself by it (bitsandbytes picks its native library so) needs no CUDA;
-    anywhere else, the original. What NVML cannot answer raises Refused."""
+    """``torch.cuda.get_device_capability`` answered by NVML, from outside (Note [NVML answered
+    from outside] in overmind.warm.devices), while a warm interpreter imports (a device's compute
+    capability is the hardware's: the answer is the one CUDA would give), so that an import that
+    sizes itself by it (bitsandbytes picks its native library so) needs no CUDA; anywhere else,
+    the original. What NVML cannot answer raises Refused."""
 
     def get_device_capability(device=None):
         if not _importing:
@@ -260,29 +268,29 @@ def _capability_from_nvml(original):
 
         try:
             index = torch.cuda._get_nvml_device_index(0 if device is None else device)
-            return _nvml_capability(index)
-        except Refused:
-            raise
         except Exception as err:  # noqa: BLE001 - whatever NVML cannot say keeps the module out
             raise Refused(f"torch.cuda.get_device_capability() without CUDA: {err}") from None
+        found = devices.capability(index)
+        if found is None:
+            raise Refused(f"NVML cannot tell device {index}'s compute capability")
+        return found
 
     get_device_capability._overmind_guard = True
     get_device_capability.__doc__ = original.__doc__
     return get_device_capability
 
 
-def _nvml_capability(index: int) -> tuple[int, int]:
-    nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    if nvml.nvmlInit_v2() != 0:
-        raise Refused("NVML did not start")
-    try:
-        handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
-        if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0 or \
-                nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0:
-            raise Refused(f"NVML cannot tell device {index}'s compute capability")
-        return major.value, minor.value
-    finally:
-        nvml.nvmlShutdown()
+def _answered_outside(original, answer):
+    """One of torch's NVML questions, answered by overmind.warm.devices while a warm interpreter
+    imports (Note [NVML answered from outside] there); anywhere else, the original."""
+
+    def asked(*args, **kwargs):
+        return answer() if _importing else original(*args, **kwargs)
+
+    asked._overmind_guard = True
+    asked.__name__ = asked.__qualname__ = original.__name__
+    asked.__doc__ = original.__doc__
+    return asked
 
 
 def _guarded(name: str, original):
