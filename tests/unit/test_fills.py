@@ -336,12 +336,19 @@ def test_a_fills_pace_goes_on_from_its_last_report_until_its_reports_stop(tmp_pa
     assert fills.remaining(KEY)[0] == pytest.approx(4 / 60 * (1.1 + F.LATE_REPORT))
 
 
-def test_a_fill_still_running_the_original_or_a_key_with_no_plain_time_is_not_joined(tmp_path, caplog):
+def test_a_fill_with_no_loader_yet_or_a_key_with_no_plain_time_is_not_joined(tmp_path, loader, caplog):
     caplog.set_level(logging.INFO, LOG)
     fills = _fills(tmp_path)
     fill = fills.admit(KEY, background=True).fill
+    assert fills.join(KEY, 1.0, 4242) == 0.0  # waiting for a load slot or for the fills it refers to
+    assert "pid 4242 loads aaaaaaaaaaaaaaaa plainly: its fill has no loader yet" in caplog.text
+    fills.forked(fill, loader, fresh=True)  # an interpreter of its own, importing everything first
     assert fills.join(KEY, 1.0, 4242) == 0.0
-    assert "pid 4242 loads aaaaaaaaaaaaaaaa plainly: its fill has not begun to pack" in caplog.text
+    assert "plainly: its fill has a fresh interpreter for loader, still importing" in caplog.text
+    fills.forked(fill, loader)
+    assert fills.join(KEY, None, 4242) == 0.0
+    assert fills.join(KEY, 1.0, 4242) == 1.0  # its loader runs the original: joined, for a plain load's time
+    assert "pid 4242 joins the fill of aaaaaaaaaaaaaaaa: its loader runs the original" in caplog.text
     _packing(fills, fill, 64 * MB, 64 * MB)  # all in place
     assert fills.remaining(KEY) == (0.0, fill)
     assert fills.join(KEY, None, 4242) == 0.0  # no plain load to weigh it against

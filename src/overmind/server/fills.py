@@ -126,17 +126,22 @@ LATE_REPORT = 0.25  # seconds without a progress report (one comes every 0.1 s) 
 # (transformers imports the model's module inside from_pretrained: 1.55 s for the LM's load
 # in a fresh process, 0.1-0.3 s in a loader or an `overmind run` child, which imported it
 # already); a hit pays those imports too, when it unpickles, so they are no reason to wait.
+# A fill whose loader runs the original is joined: the loader does what a plain load does,
+# with its imports done and a head start (ControlNet run 2 loaded the VAE plainly 27 ms before
+# its fill, forked 0.12 s earlier, was filed). One with no loader yet (waiting for a load slot,
+# or for the fills of the models it refers to) is not: nothing says it is close; nor is one
+# whose loader is a fresh interpreter (Note [A fill never waits for a fork] in
+# overmind.warm.interpreter), which imports everything first.
 # The loader, once it packs, reports the bytes in place and the bytes it expects every 0.1 s
 # (FillProgress, Note [Progress of a pack] in overmind.warm.loader), so the fill's remaining
 # seconds are the bytes left at its rate from the pack's start to its last report, less the
 # time since that report (a report is up to 0.1 s old: counting the bytes it reported over
 # the time to now made the LM's run 2 load plainly beside a fill that ended 0.06 s later; a
 # pack whose reports stopped is timed to now). The rate is one at idle priority: lifted, it
-# goes faster. A fill still running the original, or one that
-# reports nothing (small, or a result whose bytes cannot be counted), is not joined: nothing
-# says it is close. The wait is bounded by the plain load's seconds: past them the caller loads
-# plainly after all, so a wrong guess costs at most one extra plain load's time, and a fill
-# nobody joins still ends within its own bounds.
+# goes faster. A packing fill that reports nothing (small, or a result whose bytes cannot be
+# counted) is joined as one still in the original. The wait is bounded by the plain load's
+# seconds: past them the caller loads plainly after all, so a wrong guess costs at most one
+# extra plain load's time, and a fill nobody joins still ends within its own bounds.
 #
 # A fill that writes its result into memory the kernel must hand out fresh is slow where
 # fresh memory is (benchmarks/fresh_memory.py: a guest that reports free memory back to its
@@ -167,6 +172,7 @@ class Fill:
         self.caller_imported: list = []  # what that load imported: its loader's interpreter imports them first
         self.pid = 0  # its loader, once forked
         self.forked_at = 0.0
+        self.fresh = False  # its loader is a fresh interpreter (Note [A fill never waits for a fork])
         self.idle = False  # under SCHED_IDLE now: a waiter lifts it
         self.yielded_at = 0.0
         # Its loader's progress reports (Note [Joining a fill]).
@@ -349,10 +355,11 @@ class Fills:
 
     # -- its loader: Note [Cold fills yield to their caller] ----------------------------------
 
-    def forked(self, fill: Fill, pid: int) -> None:
-        """``fill``'s loader is process ``pid``: it yields if nobody waits for the fill."""
+    def forked(self, fill: Fill, pid: int, fresh: bool = False) -> None:
+        """``fill``'s loader is process ``pid`` (``fresh``: an interpreter of its own, which imports
+        first): it yields if nobody waits for the fill."""
         with self.lock:
-            fill.pid, fill.forked_at = pid, time.monotonic()
+            fill.pid, fill.forked_at, fill.fresh = pid, time.monotonic(), fresh
             if not fill.background or self.config.fill_yield <= 0:
                 how = "normal priority" + (" (a caller waits for it)" if not fill.background else "")
             elif self.can_lift_idle and every_thread(pid, to_idle):
@@ -436,7 +443,17 @@ class Fills:
             return 0.0
         progress = self.remaining(key)
         if progress is None:
-            logger.info("pid %d loads %s plainly: its fill has not begun to pack", pid, key[:16])
+            with self.lock:
+                fill = self.fills.get(key)
+                running = fill is not None and fill.pid != 0 and not fill.fresh
+                doing = "has begun to pack" if running and fill.packing_since else "runs the original"
+            if running:  # with a head start and its imports done
+                logger.info("pid %d joins the fill of %s: its loader %s, against a plain load of %.2fs", pid,
+                            key[:16], doing, plain)
+                return plain
+            logger.info("pid %d loads %s plainly: its fill has %s", pid, key[:16],
+                        "a fresh interpreter for loader, still importing" if fill is not None and fill.fresh
+                        else "no loader yet")
             return 0.0
         left, fill = progress
         weighed = "the last plain load"

@@ -312,9 +312,9 @@ class Loads:
             with self.load_slots:
                 logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)
                 contents = self.registry.content_index()
-                job, loader = self.pool.start_loader(request.key, context, cwd, sys_path, blob,
-                                                     [*request.modules, *fill.caller_imported])
-                self.fills.forked(fill, loader)  # Note [Cold fills yield to their caller] in overmind.server.fills
+                job, loader, fresh = self.pool.start_loader(request.key, context, cwd, sys_path, blob,
+                                                            [*request.modules, *fill.caller_imported])
+                self.fills.forked(fill, loader, fresh)  # Note [Cold fills yield to their caller] in overmind.server.fills
                 result, skeleton, fds = self._hand_over(job, loader, fill, references, contents)
         finally:
             for _, handed in references:

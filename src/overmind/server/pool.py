@@ -1,7 +1,7 @@
 """Server side of warm interpreters: one per client context, for loads and runs. Standard library only.
 
     pool = WarmPool(config)
-    job, pid = pool.start_loader(key, context, cwd, sys_path, blob)   # a fill's loader
+    job, pid, fresh = pool.start_loader(key, context, cwd, sys_path, blob)   # a fill's loader
     pid = pool.fork_run(context, spec, [stdin, stdout, stderr, conn])  # overmind run
 
 A *context* is the interpreter and the environment that can change an import. For each
@@ -174,10 +174,11 @@ class WarmPool:
             logger.warning("preparing a warm interpreter for context %s failed: %s", context.key, err)
 
     def start_loader(self, key: str, context: Context, cwd: str, sys_path: list, blob: bytes, modules: list = ()
-                     ) -> tuple[socket.socket, int]:
+                     ) -> tuple[socket.socket, int, bool]:
         """Fork the loader of one fill (the load of ``key``) from the context's warm interpreter,
-        started if need be: (its job socket, its pid), or LoadFailure. What is said on the job
-        socket is overmind.server.loads's (Note [The loader is handed its references])."""
+        started if need be: (its job socket, its pid, whether it is a fresh interpreter because
+        the warm one could not fork), or LoadFailure. What is said on the job socket is
+        overmind.server.loads's (Note [The loader is handed its references])."""
         for attempt in (1, 2):
             try:
                 interpreter = self._interpreter(context)
@@ -188,6 +189,7 @@ class WarmPool:
                                   f"could not start a warm interpreter with {context.python}: {err}") from None
             try:
                 job, pid = interpreter.start_job(key, blob, list(modules), sys_path, cwd)
+                fresh = bool(interpreter.unforkable)  # it said so as it took the job
                 if interpreter.unforkable and self._retire_unforkable(interpreter, interpreter.unforkable):
                     self._prepare_soon(context, None)  # its successor keeps out what started the threads
                 break
@@ -202,7 +204,7 @@ class WarmPool:
                     raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
                                       f"could not start a loader: {ended or f'{context.python}: {err}'}; "
                                       f"see {self.config.log_path}") from None
-        return job, pid
+        return job, pid, fresh
 
     def _rekey(self, lineage: str) -> None:
         """Note [A run's interpreter imports under the run's environment]."""
