@@ -19,29 +19,33 @@
 #            background, beside the tests)
 #   tests    GPU tests (CUDA only): tests/{integration,unit}/test_gpu.py (marked gpu), the
 #            bitsandbytes tests (not marked: on a GPU they quantise there) and the bench's
-#            --device cuda test; pytest --timeout=300, -n 4 where pytest-xdist is installed
+#            --device cuda test; pytest --timeout=GPU_CHECK_TEST_TIMEOUT, -n 8 where pytest-xdist is
+#            installed
 #   bench    CUDA: the warm-up curve of the ControlNet script (SD1.5 sizes, fp16) with
-#            .to('cuda'): plain python, monkey_patch_all() and `overmind run`, runs 1-5 and after
-#            a restart, one round (overmind-bench --scenarios warmup_curve --curve-scripts
-#            controlnet --curve-rounds 1 --device cuda). No CUDA: skipped, and the same on CPU
-#            with small models stands in (bench-cpu; GPU_CHECK_CPU_BENCH=0 leaves it out)
+#            .to('cuda'): plain python, then `overmind run` (bench-run) and monkey_patch_all()
+#            (bench-patched), one bench each, in that order, runs 1-5 and after a restart, one
+#            round (overmind-bench --scenarios warmup_curve --curve-scripts controlnet
+#            --curve-modes MODE --curve-rounds 1 --device cuda); a mode the budget has no room
+#            for is skipped. No CUDA: skipped, and the same on CPU with small models stands in
+#            (bench-cpu; GPU_CHECK_CPU_BENCH=0 leaves it out)
 #   h2d      benchmarks/h2d.py: host-to-device GB/s of .to('cuda'): plain, warm hit, pinned
 #   summary  a table here and in $OUT/summary.json (rewritten after every step)
 #
-# $OUT holds at most 6 files: console.log (everything printed), summary.json, imports.jsonl,
-# bench.json, h2d.json, extra.tar.gz (step logs, pip's log, the bench's worker logs if kept).
+# $OUT holds at most 8 files: console.log (everything printed), summary.json, imports.jsonl,
+# bench-run.json, bench-patched.json (or bench-cpu.json), h2d.json, extra.tar.gz (step logs,
+# pip's log, the bench's worker logs and its servers' logs).
 # Nothing is written inside the repo but $OUT, except what `pip install -e .` builds there
 # (build/, src/*.egg-info, src/overmind/_C*.so) and Python's __pycache__ folders.
-# GPU_CHECK_BUDGET (default 375 s) bounds the steps: each step's timeout leaves the later steps
+# GPU_CHECK_BUDGET (default 450 s) bounds the steps: each step's timeout leaves the later steps
 # their minimum; a step killed at its timeout, the cleanup after it and the summary add < 40 s.
 # GPU_CHECK_NO_EXT=1 installs without the C extension (a minute less); GPU_CHECK_CURVE_MODES picks the
-# curve's modes (default patched,run).
+# curve's modes and their order (default run,patched).
 # GPU_CHECK_INSTALL=auto|always|never (auto: install unless `import overmind` already finds
 # this checkout's src/overmind).
 # GPU_CHECK_STEPS picks the steps after setup for a rerun (default imports,tests,bench,h2d), e.g.
 # GPU_CHECK_STEPS=tests,bench GPU_CHECK_CURVE_MODES=run. The bench keeps its worker logs and each
 # curve server's log (--keep-logs); extra.tar.gz holds them.
-# GPU_CHECK_TEST_TIMEOUT (default 75 s) is pytest's limit for one GPU test.
+# GPU_CHECK_TEST_TIMEOUT (default 120 s) is pytest's limit for one GPU test.
 set -u
 case ${1:-} in -h|--help) sed -n '2,/^set -u$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 
@@ -49,12 +53,13 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
 PY=${PYTHON:-python3}
 OUT=${OUT:-$REPO/out/gpu_check}
-BUDGET=${GPU_CHECK_BUDGET:-375}
+BUDGET=${GPU_CHECK_BUDGET:-450}
 SITE=${GPU_CHECK_SITE:-$("$PY" -c "import site; print(site.getusersitepackages())" 2>/dev/null || echo /tmp/site)}
 BENCH_CACHE=${OVERMIND_BENCH_CACHE:-/tmp/overmind-bench-cache}
 export OVERMIND_BENCH_CACHE=$BENCH_CACHE
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
 STEPS_WANTED=",${GPU_CHECK_STEPS:-imports,tests,bench,h2d},"
+GPU_CHECK_CURVE_MODES=${GPU_CHECK_CURVE_MODES:-run,patched}
 wanted() { [[ $STEPS_WANTED == *",$1,"* ]]; }
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
@@ -62,7 +67,7 @@ DEADLINE=$((START + BUDGET))
 export GPU_CHECK_RUN="$$-$START"
 
 mkdir -p "$OUT"
-rm -f "$OUT"/{console.log,summary.json,imports.jsonl,bench.json,h2d.json,extra.tar.gz}
+rm -f "$OUT"/{console.log,summary.json,imports.jsonl,bench*.json,h2d.json,extra.tar.gz}
 WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
 CONSOLE=$OUT/console.log
 STEPS=$WORK/steps.tsv
@@ -353,8 +358,8 @@ step_tests() {
     # test_gpu.py is marked gpu as a whole; the bitsandbytes tests are not (`-m gpu` would deselect them).
     "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
     # A test's own limit well inside the step's, so that pytest lives to print what failed.
-    run_step tests 170 $(later bench 110 h2d 60) 40 -- "$PY" -m pytest -q -rfEsxX --tb=short -p no:cacheprovider \
-        --timeout="${GPU_CHECK_TEST_TIMEOUT:-75}" \
+    run_step tests 170 $(later bench 180 h2d 60) 40 -- "$PY" -m pytest -q -rfEsxX --tb=short -p no:cacheprovider \
+        --timeout="${GPU_CHECK_TEST_TIMEOUT:-120}" \
         "${xdist[@]+"${xdist[@]}"}" "${files[@]}"
     record tests "$(status_of "$RC")" "$SECS" "$RC" "$SKIPWHY${files[*]}"
 }
@@ -364,17 +369,21 @@ step_tests() {
 step_bench() {
     wait_models
     if [ "$HAVE_CUDA" = 1 ]; then
-        run_step bench 220 $(later h2d 60) 100 -- "$PY" -m overmind.bench --scenarios warmup_curve --curve-scripts controlnet \
-            --curve-modes "${GPU_CHECK_CURVE_MODES:-patched,run}" \
-            --curve-rounds 1 --scale base --device cuda --cache-dir "$BENCH_CACHE" --no-progress --keep-logs \
-            --json "$OUT/bench.json"
-        record bench "$(status_of "$RC")" "$SECS" "$RC" "${SKIPWHY}ControlNet, SD1.5 sizes, .to('cuda'), 1 round"
+        # One bench per mode, `overmind run` first: what is cut when time runs out is the last.
+        local mode
+        for mode in ${GPU_CHECK_CURVE_MODES//,/ }; do
+            run_step "bench-$mode" 200 $(later h2d 60) 100 -- "$PY" -m overmind.bench --scenarios warmup_curve \
+                --curve-scripts controlnet --curve-modes "$mode" --curve-rounds 1 --scale base --device cuda \
+                --cache-dir "$BENCH_CACHE" --no-progress --keep-logs --json "$OUT/bench-$mode.json"
+            record "bench-$mode" "$(status_of "$RC")" "$SECS" "$RC" \
+                "${SKIPWHY}ControlNet, SD1.5 sizes, .to('cuda'), 1 round, mode $mode"
+        done
     else
         record bench skipped 0 "" "skipped: no CUDA"
         if [ "${GPU_CHECK_CPU_BENCH:-1}" = 1 ]; then
             run_step bench-cpu 200 20 60 -- "$PY" -m overmind.bench --scenarios warmup_curve --curve-scripts controlnet \
                 --curve-rounds 1 --scale small --device cpu --cache-dir "$BENCH_CACHE" --no-progress --keep-logs \
-                --json "$OUT/bench.json"
+                --json "$OUT/bench-cpu.json"
             record bench-cpu "$(status_of "$RC")" "$SECS" "$RC" "${SKIPWHY}CPU stand-in: ControlNet, small models, .to('cpu'), 1 round"
         fi
     fi
@@ -451,8 +460,8 @@ for row in rows:
             fig["pytest"] = found[-1].strip() if found else None
         except OSError:
             pass
-    elif row["step"] in ("bench", "bench-cpu") and row["status"] != "skipped":
-        doc = load(os.path.join(out, "bench.json")) or {}
+    elif row["step"].startswith("bench") and row["status"] != "skipped":
+        doc = load(os.path.join(out, row["step"] + ".json")) or {}
         for script in (doc.get("warmup_curve") or {}).get("scripts", []):
             fig[script["name"]] = {
                 "status": script["status"], "reason": (script.get("reason") or "")[:300] or None,
