@@ -9,7 +9,7 @@ import torch
 
 from ..conftest import age_files
 from .conftest import last_json
-from .test_run import _run, _runs, _wait_warm
+from .test_run import _curve
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -70,18 +70,9 @@ def test_overmind_run_of_a_gpu_script_forks_from_run_2(server, models, tmp_path)
     script = tmp_path / "unet_cuda.py"
     script.write_text(UNET_ON_CUDA.format(path=str(models["unet"])))
     age_files(script)
-    env = server.client_env(MODE="patched")
-    forked, outputs = [], []
-    for _ in range(3):
-        before = _runs(server)
-        proc = _run(server, str(script), env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        forked.append(_runs(server) > before)
-        outputs.append(last_json(proc))
-        server.wait_idle()
-        _wait_warm(server)
+    runs = _curve(server, script, server.client_env(MODE="patched"))
     log = server.log()
-    assert forked == [False, True, True], log[-8000:]
-    assert [out["hit"] for out in outputs] == [False, True, True], log[-8000:]
-    assert len({(out["sum"], tuple(out["head"])) for out in outputs}) == 1
+    assert [forked for forked, _ in runs] == [False, True, True], log[-8000:]
+    assert [out["hit"] for _, out in runs] == [False, True, True], log[-8000:]
+    assert len({(out["sum"], tuple(out["head"])) for _, out in runs}) == 1
     assert "nobody vouches for" not in log, log[-8000:]

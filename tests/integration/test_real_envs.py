@@ -18,7 +18,7 @@ import pytest
 
 from ..conftest import REPO, age_files, build_shared_library, child_env, run_python
 from .conftest import ServerProcess, last_json
-from .test_run import _run, _runs, _wait_warm
+from .test_run import _curve
 
 pytest.importorskip("scipy")
 pytest.importorskip("pandas")
@@ -99,22 +99,6 @@ def vae_script(models, tmp_path, nvml_reader) -> Path:
     script.write_text(SCRIPT.format(path=str(models["vae"]), reader=nvml_reader))
     age_files(script)
     return script
-
-
-def _curve(server, script: Path, env: dict, runs: int = 3) -> list[tuple[bool, dict]]:
-    """Runs 1..``runs`` of ``overmind run script``, each after the last one's fill: (forked, output)."""
-    outputs = []
-    for _ in range(runs):
-        before = _runs(server)
-        proc = _run(server, str(script), env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outputs.append((_runs(server) > before, last_json(proc)))
-        server.wait_idle()
-        try:
-            _wait_warm(server)
-        except AssertionError as err:
-            raise AssertionError(f"{err}\n{server.log()[-20000:]}") from None
-    return outputs
 
 
 @pytest.mark.parametrize("cpus", ["this machine's", "16"])

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import child_env
-from .conftest import ServerProcess
+from .conftest import ServerProcess, last_json
 
 OVERMIND = str(Path(sys.executable).parent / "overmind")
 
@@ -63,6 +63,22 @@ def _wait_warm(server, timeout: float = 120) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"no warm interpreter after {timeout}s: {server.status()['loaders']}")
+
+
+def _curve(server, script: Path, env: dict, runs: int = 3) -> list[tuple[bool, dict]]:
+    """Runs 1..``runs`` of ``overmind run script``, each after the last one's fill: (forked, output)."""
+    outputs = []
+    for _ in range(runs):
+        before = _runs(server)
+        proc = _run(server, str(script), env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs.append((_runs(server) > before, last_json(proc)))
+        server.wait_idle()
+        try:
+            _wait_warm(server)
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{server.log()[-20000:]}") from None
+    return outputs
 
 
 def _warm_run(server, *args, **kwargs) -> subprocess.CompletedProcess:

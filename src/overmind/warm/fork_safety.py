@@ -240,13 +240,13 @@ def _cuda_refused():
         if original is not None and not getattr(original, "_overmind_guard", False):
             setattr(torch_c, name, _guarded(name, original))
     cuda = getattr(torch, "cuda", None)
-    for name, answer in (("_raw_device_count_nvml", devices.raw_count), ("_raw_device_uuid_nvml", devices.raw_uuids)):
+    answers = [("_raw_device_count_nvml", devices.raw_count), ("_raw_device_uuid_nvml", devices.raw_uuids)]
+    if hasattr(torch_c, "_cuda_getDeviceCount"):
+        answers.append(("get_device_capability", _capability))
+    for name, answer in answers:
         original = getattr(cuda, name, None)
         if original is not None and not getattr(original, "_overmind_guard", False):
             setattr(cuda, name, _answered_outside(original, answer))
-    original = getattr(cuda, "get_device_capability", None) if hasattr(torch_c, "_cuda_getDeviceCount") else None
-    if original is not None and not getattr(original, "_overmind_guard", False):
-        cuda.get_device_capability = _capability_from_nvml(original)
     _importing = True
     try:
         yield
@@ -254,38 +254,30 @@ def _cuda_refused():
         _importing = False
 
 
-def _capability_from_nvml(original):
-    """``torch.cuda.get_device_capability`` answered by NVML, from outside (Note [NVML answered
-    from outside] in overmind.warm.devices), while a warm interpreter imports (a device's compute
-    capability is the hardware's: the answer is the one CUDA would give), so that an import that
-    sizes itself by it (bitsandbytes picks its native library so) needs no CUDA; anywhere else,
-    the original. What NVML cannot answer raises Refused."""
+def _capability(device=None) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability``'s answer while a warm interpreter imports, from NVML,
+    from outside (a device's compute capability is the hardware's: the answer is the one CUDA
+    would give), so that an import that sizes itself by it (bitsandbytes picks its native
+    library so) needs no CUDA. What NVML cannot answer raises Refused."""
+    import torch
 
-    def get_device_capability(device=None):
-        if not _importing:
-            return original(device)
-        import torch
-
-        try:
-            index = torch.cuda._get_nvml_device_index(0 if device is None else device)
-        except Exception as err:  # noqa: BLE001 - whatever NVML cannot say keeps the module out
-            raise Refused(f"torch.cuda.get_device_capability() without CUDA: {err}") from None
-        found = devices.capability(index)
-        if found is None:
-            raise Refused(f"NVML cannot tell device {index}'s compute capability")
-        return found
-
-    get_device_capability._overmind_guard = True
-    get_device_capability.__doc__ = original.__doc__
-    return get_device_capability
+    try:
+        index = torch.cuda._get_nvml_device_index(0 if device is None else device)
+    except Exception as err:  # noqa: BLE001 - whatever NVML cannot say keeps the module out
+        raise Refused(f"torch.cuda.get_device_capability() without CUDA: {err}") from None
+    found = devices.capability(index)
+    if found is None:
+        raise Refused(f"NVML cannot tell device {index}'s compute capability")
+    return found
 
 
 def _answered_outside(original, answer):
-    """One of torch's NVML questions, answered by overmind.warm.devices while a warm interpreter
-    imports (Note [NVML answered from outside] there); anywhere else, the original."""
+    """One of torch's NVML questions (device count, UUIDs, compute capability), answered by
+    overmind.warm.devices while a warm interpreter imports (Note [NVML answered from outside]
+    there); anywhere else, the original."""
 
     def asked(*args, **kwargs):
-        return answer() if _importing else original(*args, **kwargs)
+        return answer(*args, **kwargs) if _importing else original(*args, **kwargs)
 
     asked._overmind_guard = True
     asked.__name__ = asked.__qualname__ = original.__name__
