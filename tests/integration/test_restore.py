@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -184,19 +186,39 @@ def _spoil(state_dir: Path, how: str) -> str:
     raise AssertionError(how)
 
 
+@pytest.fixture(scope="module")
+def kept_state(tmp_path_factory):
+    """(a runtime directory, the state directory its server kept after filling an LM, that LM):
+    every spoiled case below starts a server there over a copy of that state (a state file
+    belongs to its runtime directory: Note [State files die with their runtime directory] in
+    overmind.server.state), so one server fills for all of them."""
+    from overmind import modelgen
+
+    root = tmp_path_factory.mktemp("kept-state")
+    lm, state_dir = modelgen.save_lm(root / "lm", seed=5), root / "state"
+    age_files(lm)
+    runtime_dir = Path(tempfile.mkdtemp(prefix="om-", dir="/tmp"))  # short: AF_UNIX paths
+    try:
+        first = _start(runtime_dir, state_dir)
+        try:
+            _fill(first, lm)
+            _wait_saved(state_dir, 1)
+            first.cli("shutdown")
+        finally:
+            first.stop()
+        yield runtime_dir, state_dir, lm
+    finally:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
 @pytest.mark.parametrize("how", ["truncated", "garbage", "foreign version", "other uid", "group-writable dir"])
-def test_a_spoiled_state_is_refused_with_one_line_and_the_server_serves(runtime_dir, state_dir, lm, how):
+def test_a_spoiled_state_is_refused_with_one_line_and_the_server_serves(state_dir, kept_state, how):
     if how == "other uid" and os.getuid() != 0:
         pytest.skip("chown to another uid needs root")
-    first = _start(runtime_dir, state_dir)
-    try:
-        _fill(first, lm)
-        _wait_saved(state_dir, 1)
-        first.cli("shutdown")
-    finally:
-        first.stop()
+    runtime_dir, kept, lm = kept_state
+    shutil.copytree(kept, state_dir)  # copy2: its modes too
+    (runtime_dir / "server.log").unlink(missing_ok=True)
     said = _spoil(state_dir, how)
-    (runtime_dir / "server.log").unlink()
     second = _start(runtime_dir, state_dir)
     try:
         ready = _wait_ready(second, timeout=30)

@@ -48,9 +48,16 @@ def _handshake(server) -> socket.socket:
 # -- 2. the user's call never fails because of overmind ---------------------------------------
 
 
+@pytest.fixture(scope="module")
+def plain_lm(models) -> float:
+    """The LM's weights as plain python loads them (once: every setting below compares to it)."""
+    return _run_client(LM + "report(a=weights(LlamaForCausalLM.from_pretrained(path)))",
+                       child_env(OVERMIND_DISABLE="1"), str(models["lm"]))["a"]
+
+
 @pytest.mark.parametrize("setting", ["OVERMIND_TIMEOUT=abc", "OVERMIND_MAX_MEMORY=lots", "OVERMIND_WORKERS=-1",
                                      "OVERMIND_COLD=maybe", "OVERMIND_LOG_LEVEL=LOUD"])
-def test_a_malformed_setting_falls_back_with_one_warning_and_strict_raises(server, models, setting):
+def test_a_malformed_setting_falls_back_with_one_warning_and_strict_raises(server, models, plain_lm, setting):
     # Note [A bad setting never stops a script] in overmind.shared.config: plain loads, one warning
     # naming the variable and what it accepts.
     name, value = setting.split("=")
@@ -60,9 +67,7 @@ b = weights(LlamaForCausalLM.from_pretrained(path))
 report(a=a, b=b, strict=strict(LlamaForCausalLM.from_pretrained, path))
 '''
     out = _run_client(code, server.client_env(**{name: value}), str(models["lm"]))
-    plain = _run_client(LM + "report(a=weights(LlamaForCausalLM.from_pretrained(path)))",
-                        child_env(OVERMIND_DISABLE="1"), str(models["lm"]))
-    assert out["a"] == out["b"] == plain["a"]
+    assert out["a"] == out["b"] == plain_lm
     assert len(out["warnings"]) == 1 and f"{name}={value!r}" in out["warnings"][0], out["warnings"]
     assert "accepted: " in out["warnings"][0] or "use 40G" in out["warnings"][0], out["warnings"]
     assert out["strict"]["type"] == "OvermindError" and name in out["strict"]["message"]
