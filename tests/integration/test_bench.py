@@ -368,6 +368,7 @@ def _has_matplotlib() -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_restart_scenario_times_a_client_beside_a_restore_against_one_beside_nothing(tmp_path):
     """overmind-bench --scenarios restart (overmind.bench.restart): the client-during-restore pairs
     really ran beside a restore (the server had entries to refill) and beside none."""
