@@ -268,6 +268,20 @@ def test_usage_errors_exit_2_and_say_what_is_wrong(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing generated
 
 
+def test_the_model_generator_has_usage_and_names_a_bad_model(tmp_path):
+    """python -m overmind.bench.models, which the bench runs in a child and the GPU check by hand."""
+    def models(*args):
+        return subprocess.run([sys.executable, "-m", "overmind.bench.models", *args], capture_output=True, text=True,
+                              env=child_env(), timeout=120)
+
+    proc = models("--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m overmind.bench.models"), proc.stderr
+    assert "controlnet_a" in proc.stdout and "tiny" in proc.stdout
+    proc = models(str(tmp_path), "tiny", "sd", "nope")
+    assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr, proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing generated
+
+
 def shmem_setting() -> str | None:
     text = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
     return text[text.index("[") + 1:text.index("]")]

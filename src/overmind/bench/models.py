@@ -245,10 +245,19 @@ class _quiet_libraries:
 
 
 def _main(argv: list[str]) -> int:
-    progress = "--no-progress" not in argv
-    cache_dir, scale, *names = [a for a in argv if a != "--no-progress"]
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m overmind.bench.models",
+                                     description="Generate the benchmark's models (random weights, no hub) into "
+                                                 "CACHE_DIR/SCALE, each once.")
+    parser.add_argument("cache_dir", metavar="CACHE_DIR")
+    parser.add_argument("scale", metavar="SCALE", choices=list(SCALES), help=f"one of {', '.join(SCALES)}")
+    parser.add_argument("names", metavar="NAME", nargs="+", choices=list(MODELS), help=f"any of {', '.join(MODELS)}")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    cache_dir, names = args.cache_dir, args.names
     try:
-        ensure_models(Path(cache_dir), scale, names, progress=progress)
+        ensure_models(Path(cache_dir), args.scale, names, progress=not args.no_progress)
     except Exception as err:  # noqa: BLE001 -- the parent shows it
         import traceback
 
