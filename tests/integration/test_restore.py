@@ -103,6 +103,18 @@ def _hit(server: ServerProcess, lm: Path) -> float:
     return weights
 
 
+def _fill_and_shut_down(runtime_dir: Path, state_dir: Path, lm: Path) -> float:
+    """A server fills the LM, saves its state and is shut down: the state a restart finds."""
+    first = _start(runtime_dir, state_dir)
+    try:
+        weights = _fill(first, lm)
+        _wait_saved(state_dir, 1)
+        first.cli("shutdown")
+    finally:
+        first.stop()
+    return weights
+
+
 @pytest.mark.parametrize("stop", ["shutdown", "sigkill"])
 def test_a_fresh_server_refills_what_the_last_one_served_and_the_next_load_hits(runtime_dir, state_dir, lm, stop):
     first = _start(runtime_dir, state_dir)
@@ -137,13 +149,7 @@ def test_a_fresh_server_refills_what_the_last_one_served_and_the_next_load_hits(
 def test_a_model_changed_while_the_server_was_down_is_not_restored_and_loads_new_weights(runtime_dir, state_dir, lm):
     from overmind import modelgen
 
-    first = _start(runtime_dir, state_dir)
-    try:
-        old = _fill(first, lm)
-        _wait_saved(state_dir, 1)
-        first.cli("shutdown")
-    finally:
-        first.stop()
+    old = _fill_and_shut_down(runtime_dir, state_dir, lm)
     modelgen.save_lm(lm, seed=6)  # the same files, rewritten with other weights
     age_files(lm, seconds=10)
     second = _start(runtime_dir, state_dir)
@@ -199,13 +205,7 @@ def kept_state(tmp_path_factory):
     age_files(lm)
     runtime_dir = Path(tempfile.mkdtemp(prefix="om-", dir="/tmp"))  # short: AF_UNIX paths
     try:
-        first = _start(runtime_dir, state_dir)
-        try:
-            _fill(first, lm)
-            _wait_saved(state_dir, 1)
-            first.cli("shutdown")
-        finally:
-            first.stop()
+        _fill_and_shut_down(runtime_dir, state_dir, lm)
         yield runtime_dir, state_dir, lm
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
@@ -239,13 +239,7 @@ def test_a_spoiled_state_is_refused_with_one_line_and_the_server_serves(state_di
 
 
 def test_restore_zero_restores_nothing_but_keeps_the_state(runtime_dir, state_dir, lm):
-    first = _start(runtime_dir, state_dir)
-    try:
-        _fill(first, lm)
-        _wait_saved(state_dir, 1)
-        first.cli("shutdown")
-    finally:
-        first.stop()
+    _fill_and_shut_down(runtime_dir, state_dir, lm)
     second = _start(runtime_dir, state_dir, OVERMIND_RESTORE="0")
     try:
         ready = _wait_ready(second, timeout=30)
@@ -257,13 +251,7 @@ def test_restore_zero_restores_nothing_but_keeps_the_state(runtime_dir, state_di
 
 
 def test_wait_ready_times_out_with_a_clear_line_while_the_restore_runs(runtime_dir, state_dir, lm):
-    first = _start(runtime_dir, state_dir)
-    try:
-        _fill(first, lm)
-        _wait_saved(state_dir, 1)
-        first.cli("shutdown")
-    finally:
-        first.stop()
+    _fill_and_shut_down(runtime_dir, state_dir, lm)
     second = _start(runtime_dir, state_dir)
     try:
         proc = second.cli("status", "--wait-ready", "--timeout", "0.01", check=False)
