@@ -16,6 +16,7 @@ RESAVE_AND_LOAD = """
 import hashlib, json, os, time
 import torch
 import overmind.api
+from overmind.shared.calls import CTIME_RACY_SECONDS
 overmind.api.monkey_patch_all()
 import safetensors.torch
 stale = []
@@ -27,7 +28,7 @@ for version in range({versions}):
     # never equals an earlier version's.
     stamp = time.time() - 1000 + version
     os.utime({path!r}, (stamp, stamp))
-    time.sleep(0.15)
+    time.sleep(1.5 * CTIME_RACY_SECONDS)
     expected = hashlib.sha256(weights.numpy().tobytes()).hexdigest()
     for _ in range(2):
         state = safetensors.torch.load_file({path!r})

@@ -255,14 +255,13 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("names", metavar="NAME", nargs="+", choices=list(MODELS), help=f"any of {', '.join(MODELS)}")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    cache_dir, names = args.cache_dir, args.names
     try:
-        ensure_models(Path(cache_dir), args.scale, names, progress=not args.no_progress)
+        ensure_models(Path(args.cache_dir), args.scale, args.names, progress=not args.no_progress)
     except Exception as err:  # noqa: BLE001 -- the parent shows it
         import traceback
 
         traceback.print_exc()
-        print(f"generating {', '.join(names)} in {cache_dir} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"generating {', '.join(args.names)} in {args.cache_dir} failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     return 0
 
