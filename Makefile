@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.overmind-installed
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test test-slow clean
 
 venv: $(STAMP)
 
@@ -26,9 +26,15 @@ demo: venv
 
 # Each test file whole on one worker (its server and models are built once per file); two
 # workers keep a 2-core machine busy without starving the servers the tests start.
+# `make test` leaves out the tests marked slow (overmind-bench end to end, torch.compile: minutes
+# each); `make test-slow` runs those alone. CI runs both.
 TEST_WORKERS ?= 2
+PYTEST := HF_HUB_OFFLINE=1 $(PY) -m pytest -q --timeout=600 -n $(TEST_WORKERS) --dist loadfile
 test: venv
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --timeout=600 -n $(TEST_WORKERS) --dist loadfile tests
+	$(PYTEST) -m "not slow" tests
+
+test-slow: venv
+	$(PYTEST) -m slow tests
 
 clean:
 	rm -rf build src/*.egg-info src/overmind/_C*.so

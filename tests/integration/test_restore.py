@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import REPO, age_files, run_python
+from ..conftest import REPO, age_files
 from .conftest import ServerProcess, last_json
 
 LOAD_LM = """
@@ -31,11 +31,14 @@ model = transformers.AutoModelForCausalLM.from_pretrained({path!r})
 print(json.dumps(float(sum(p.detach().double().sum() for p in model.parameters()))))
 """
 
-PLAIN_LM = """
-import json, transformers
-model = transformers.AutoModelForCausalLM.from_pretrained({path!r})
-print(json.dumps(float(sum(p.detach().double().sum() for p in model.parameters()))))
-"""
+
+
+def _plain_weights(lm: Path) -> float:
+    """LOAD_LM's figure for a plain load, in this process (nothing is patched in a test's own)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(lm))
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
 
 
 @pytest.fixture
@@ -140,8 +143,7 @@ def test_a_fresh_server_refills_what_the_last_one_served_and_the_next_load_hits(
         assert restore["bytes_done"] > 0 and restore["interpreters_ready"] >= 1
         assert status["entries"] == 1 and status["misses"] == 0  # a refill is no client's miss
         assert any(z["ready"] for z in status["interpreters"])  # the context's interpreter is warm again
-        assert _hit(second, lm) == weights
-        assert last_json(run_python(PLAIN_LM.format(path=str(lm)))) == weights
+        assert _hit(second, lm) == weights  # the first run's miss: a plain load (Note [Cold fills yield to their caller])
     finally:
         second.stop()
 
@@ -160,7 +162,7 @@ def test_a_model_changed_while_the_server_was_down_is_not_restored_and_loads_new
         assert second.status()["entries"] == 0
         assert "a file it read changed" in second.log()
         new = last_json(second.run(LOAD_LM.format(path=str(lm))))
-        assert new != old and new == last_json(run_python(PLAIN_LM.format(path=str(lm))))
+        assert new != old and new == _plain_weights(lm)
         second.wait_idle()
         assert _hit(second, lm) == new
     finally:
@@ -195,7 +197,7 @@ def _spoil(state_dir: Path, how: str) -> str:
 @pytest.fixture(scope="module")
 def kept_state(tmp_path_factory):
     """(a runtime directory, the state directory its server kept after filling an LM, that LM):
-    every spoiled case below starts a server there over a copy of that state (a state file
+    the cases below start a server there over a copy of that state (``_kept_copy``; a state file
     belongs to its runtime directory: Note [State files die with their runtime directory] in
     overmind.server.state), so one server fills for all of them."""
     from overmind import modelgen
@@ -211,13 +213,19 @@ def kept_state(tmp_path_factory):
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
+def _kept_copy(kept_state, state_dir: Path) -> Path:
+    """A copy of the kept state at ``state_dir``; the runtime directory it belongs to."""
+    runtime_dir, kept, _ = kept_state
+    shutil.copytree(kept, state_dir)  # copy2: its modes too
+    (runtime_dir / "server.log").unlink(missing_ok=True)
+    return runtime_dir
+
+
 @pytest.mark.parametrize("how", ["truncated", "garbage", "foreign version", "other uid", "group-writable dir"])
 def test_a_spoiled_state_is_refused_with_one_line_and_the_server_serves(state_dir, kept_state, how):
     if how == "other uid" and os.getuid() != 0:
         pytest.skip("chown to another uid needs root")
-    runtime_dir, kept, lm = kept_state
-    shutil.copytree(kept, state_dir)  # copy2: its modes too
-    (runtime_dir / "server.log").unlink(missing_ok=True)
+    runtime_dir, lm = _kept_copy(kept_state, state_dir), kept_state[2]
     said = _spoil(state_dir, how)
     second = _start(runtime_dir, state_dir)
     try:
@@ -238,9 +246,8 @@ def test_a_spoiled_state_is_refused_with_one_line_and_the_server_serves(state_di
         second.stop()
 
 
-def test_restore_zero_restores_nothing_but_keeps_the_state(runtime_dir, state_dir, lm):
-    _fill_and_shut_down(runtime_dir, state_dir, lm)
-    second = _start(runtime_dir, state_dir, OVERMIND_RESTORE="0")
+def test_restore_zero_restores_nothing_but_keeps_the_state(state_dir, kept_state):
+    second = _start(_kept_copy(kept_state, state_dir), state_dir, OVERMIND_RESTORE="0")
     try:
         ready = _wait_ready(second, timeout=30)
         assert "OVERMIND_RESTORE=0" in ready.stdout
@@ -250,9 +257,8 @@ def test_restore_zero_restores_nothing_but_keeps_the_state(runtime_dir, state_di
     assert len(_saved_keys(state_dir)) == 1
 
 
-def test_wait_ready_times_out_with_a_clear_line_while_the_restore_runs(runtime_dir, state_dir, lm):
-    _fill_and_shut_down(runtime_dir, state_dir, lm)
-    second = _start(runtime_dir, state_dir)
+def test_wait_ready_times_out_with_a_clear_line_while_the_restore_runs(state_dir, kept_state):
+    second = _start(_kept_copy(kept_state, state_dir), state_dir)
     try:
         proc = second.cli("status", "--wait-ready", "--timeout", "0.01", check=False)
         assert proc.returncode == 4, (proc.returncode, proc.stdout, proc.stderr)
