@@ -298,6 +298,57 @@ def test_a_joined_fill_slower_than_a_plain_load_is_given_up_after_that_plain_loa
     assert f"pid 4242 joined the fill of {KEY[:16]}: gave up" in caplog.text
 
 
+def _joining_the_original(tmp_path, caplog, loader, plain: float) -> tuple[Loads, F.Fill]:
+    """Cold loads with a background fill of KEY whose loader (``loader``) runs the original, its
+    caller's plain load ``plain`` seconds; the log captured."""
+    caplog.set_level(logging.INFO, LOG)
+    loads = _loads(tmp_path)
+    fill = loads.fills.admit(KEY, background=True, caller=1).fill
+    loads.fills.forked(fill, loader)
+    loads.remember_plain_seconds(KEY, plain)
+    return loads, fill
+
+
+@pytest.mark.timeout(60)
+def test_a_join_that_runs_out_after_the_pack_began_is_renewed_and_served(tmp_path, caplog, loader):
+    """Note [Joining a fill]: joined while the loader ran the original; its pack begins during the
+    wait and ends just after it: the caller waits on, and is served, rather than load plainly."""
+    loads, fill = _joining_the_original(tmp_path, caplog, loader, plain=0.5)
+    a, b = socket.socketpair()
+    with a, b:
+        started = time.monotonic()
+        joiner = _start(loads.load, a, _request(tmp_path), b"call", 4242)
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        _packing(loads.fills, fill, 60 * MB, 64 * MB)  # 4 MB to go at 60 MB/s
+        _until(lambda: "weighs the fill" in caplog.text and loads.fills.lenders.get(KEY) == 1)  # it waits again
+        fill.entry = _entry()
+        loads.registry.add(fill.entry)
+        loads.fills.finish(fill, remember=False)
+        served = P.recv_message(b)[0]
+        joiner.join()
+    assert time.monotonic() - started >= 0.5
+    assert isinstance(served, P.Entry) and served.key == KEY and served.hit
+    assert f"pid 4242 joined the fill of {KEY[:16]}: gave up" in caplog.text
+    assert f"pid 4242 weighs the fill of {KEY[:16]} again: it has begun to pack" in caplog.text
+    assert f"pid 4242 joined the fill of {KEY[:16]} again: served" in caplog.text
+    assert loads.counters()["joined"] == 1 and loads.registry.counters()["hits"] == 1
+    loads.registry.clear()
+
+
+@pytest.mark.timeout(60)
+def test_a_join_that_runs_out_while_the_loader_still_runs_the_original_loads_plainly(tmp_path, caplog, loader):
+    loads, fill = _joining_the_original(tmp_path, caplog, loader, plain=0.3)
+    a, b = socket.socketpair()
+    with a, b:
+        started = time.monotonic()
+        loads.load(a, _request(tmp_path), b"call", 4242)  # the fill never packs
+        waited = time.monotonic() - started
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "the fill took longer than a plain load")
+    assert 0.3 <= waited < 0.6, waited  # one plain load's time, not two
+    assert "weighs the fill" not in caplog.text and loads.counters()["joined"] == 1 and not fill.done.is_set()
+
+
 def test_a_fill_with_far_to_go_is_not_joined(tmp_path, caplog):
     loads, fill = _filling(tmp_path, caplog, 1 * MB, 65 * MB, plain=1.0)  # 64 MB to go at 1 MB/s
     a, b = socket.socketpair()

@@ -142,6 +142,13 @@ LATE_REPORT = 0.25  # seconds without a progress report (one comes every 0.1 s) 
 # counted) is joined as one still in the original. The wait is bounded by the plain load's
 # seconds: past them the caller loads plainly after all, so a wrong guess costs at most one
 # extra plain load's time, and a fill nobody joins still ends within its own bounds.
+# A join made while the loader ran the original is renewed once, if the fill has begun to pack
+# since: the caller then weighs what is left of the pack against a plain load, as a caller that
+# came now would, the wait behind it being spent either way (ControlNet run 2, 2 cores: it joined
+# the fill of a ControlNet whose loader ran the original, for the 0.08 s a plain load took; the
+# pack began 52 ms into that wait, the caller gave up and the entry was filed 7 ms later). The
+# renewal is weighed like any join, so at most two waits of a plain load's time come before a
+# plain load.
 #
 # A fill that writes its result into memory the kernel must hand out fresh is slow where
 # fresh memory is (benchmarks/fresh_memory.py: a guest that reports free memory back to its
@@ -465,15 +472,31 @@ class Fills:
                     fill.expected >> 20, left, plain, weighed)
         return plain if joins else 0.0
 
-    def wait(self, fill: Fill, waiter: int, join: float = 0.0) -> bool:
+    def packs(self, key: str) -> bool:
+        """Whether the loader of the fill of ``key`` has begun to pack (Note [Joining a fill])."""
+        with self.lock:
+            fill = self.fills.get(key)
+            return fill is not None and bool(fill.packing_since)
+
+    def renew(self, fill: Fill, plain: float | None, pid: int) -> float:
+        """Note [Joining a fill]: how long process ``pid``, whose join of ``fill`` ran out, should
+        wait again, having joined it while its loader ran the original; 0: not at all."""
+        if not self.packs(fill.key):
+            return 0.0
+        logger.info("pid %d weighs the fill of %s again: it has begun to pack", pid, fill.key[:16])
+        return self.join(fill.key, plain, pid)
+
+    def wait(self, fill: Fill, waiter: int, join: float = 0.0, renewed: bool = False) -> bool:
         """Process ``waiter`` waits for ``fill``, lending it normal priority: ``join`` seconds at most
-        if it joined it (Note [Joining a fill]), else until the loader timeout. Whether it is done."""
+        if it joined it (``renewed``: again, Note [Joining a fill]), else until the loader timeout.
+        Whether it is done."""
         with self.waiting(fill.key, waiter):
             done = fill.done.wait(join or self.config.loader_timeout + 60)
         if join:
             with self.lock:
-                self.joined += 1
-            logger.info("pid %d joined the fill of %s: %s", waiter, fill.key[:16], "served" if done else "gave up")
+                self.joined += not renewed
+            logger.info("pid %d joined the fill of %s%s: %s", waiter, fill.key[:16], " again" if renewed else "",
+                        "served" if done else "gave up")
         return done
 
     @contextlib.contextmanager
