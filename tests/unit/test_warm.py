@@ -569,3 +569,36 @@ def test_installed_modules_gives_a_file_to_the_deepest_folder_holding_it(tmp_pat
     assert {"venv_module", "site_ns"} <= names
     assert not {"beside_script", "linked_module", "shared_ns"} & names
     assert "venv_module" not in warm.installed_modules(prefixes=(str(site),), exclude=(str(site),))
+
+
+# ------------------------------------------------------------------ a failed import's leftovers
+
+FAILED_IMPORT = r"""
+import json, sys
+import overmind.warm.installed as installed
+from overmind.warm.interpreter import Holdings
+
+installed.installed_prefixes = lambda: [sys.argv[1]]  # the folder holding pkgx counts as installed
+held = Holdings()
+held.refused_modules.add("pkgx_blocked")  # kept out, as a module that started an unknown thread is
+imported = held.import_(["pkgx"])
+left = sorted(n for n in sys.modules if n.startswith("pkgx"))
+sys.modules.pop("pkgx_blocked", None)
+import pkgx  # what a run forked from this interpreter does: the watch is gone
+print(json.dumps({"imported": imported, "left": left, "capi": getattr(pkgx, "capi", None)}))
+"""
+
+
+def test_a_package_whose_import_failed_part_way_is_imported_whole_by_a_run(tmp_path):
+    """Note [A failed import leaves no orphans] in overmind.warm.interpreter: pandas' datetime
+    extension hangs its C API on the package as it loads; a run that found it imported already
+    failed with "partially initialized module 'pandas' has no attribute '_pandas_datetime_CAPI'"."""
+    write(tmp_path / "pkgx" / "__init__.py", "from pkgx import part\nimport pkgx_blocked\n")
+    write(tmp_path / "pkgx" / "part.py", "import sys\nsys.modules['pkgx'].capi = 'set by part'\n")
+    write(tmp_path / "pkgx_blocked.py", "")
+    proc = subprocess.run([sys.executable, "-c", FAILED_IMPORT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path.parent, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["imported"] == [] and result["left"] == []  # refused, and no submodule of it stays
+    assert result["capi"] == "set by part"  # the run imported the package whole, as plain python does

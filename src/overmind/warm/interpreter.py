@@ -127,7 +127,7 @@ class Holdings:
             if name in sys.modules or name in self.refused_modules:
                 continue
             self.reads.unbounded = ""
-            failed, installed = None, False
+            failed, installed, before = None, False, set(sys.modules)
             # Note [Settings an import read] in overmind.shared.import_env; find_spec imports the parent package
             with recording(self.reads), self.census.watching(self.refused_modules, name) as watch:
                 try:
@@ -149,6 +149,8 @@ class Holdings:
                 self.tainted = True
             if not installed:
                 continue
+            if failed is not None:
+                _drop_orphans(before)
             if failed is not None or culprits:
                 if isinstance(failed, Refused):
                     logger.info("not importing %s: %s", name, failed)
@@ -505,6 +507,28 @@ def _yield_cpu() -> bool:
         return True
     except (OSError, AttributeError):
         return False
+
+
+# Note [A failed import leaves no orphans]
+# A package whose import fails part-way (it imports a module kept out: Note [Threads libraries
+# start] in overmind.warm.fork_safety) is taken out of sys.modules, but the submodules it had
+# imported stay, and some of them set state on the package as they load: pandas' datetime
+# extension hangs its C API on the ``pandas`` module. A run forked from that interpreter then
+# imports pandas afresh, finds those submodules imported already, and fails as plain python
+# never does ("partially initialized module 'pandas' has no attribute '_pandas_datetime_CAPI'",
+# `overmind run` of the LM script beside a module that starts an unknown thread). So after a
+# failed import, every module it added whose package is no longer in sys.modules goes too, and
+# the run imports the whole package as plain python does. Complete packages it added stay:
+# some extensions (numpy's) cannot be loaded twice in one process.
+
+
+def _drop_orphans(before: set) -> None:
+    """Note [A failed import leaves no orphans]: forget the modules added since ``before`` whose
+    package (or any package above it) is not in sys.modules."""
+    for name in set(sys.modules) - before:
+        parts = name.split(".")
+        if any(".".join(parts[:i]) not in sys.modules for i in range(1, len(parts))):
+            del sys.modules[name]
 
 
 def _installed(name: str) -> bool:
