@@ -111,6 +111,19 @@ def _waiter(loads: Loads, sock: socket.socket, peer: socket.socket, tmp_path) ->
     return waiter
 
 
+def _joined_and_given_up(loads: Loads, tmp_path) -> float:
+    """Process 4242 loads KEY, joins its fill and is told to load plainly after all (its
+    ``Pending(waiting=True)``, then the give-up); the seconds that took."""
+    a, b = socket.socketpair()
+    with a, b:
+        started = time.monotonic()
+        loads.load(a, _request(tmp_path), b"call", 4242)
+        waited = time.monotonic() - started
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "the fill took longer than a plain load")
+    return waited
+
+
 def _start(target, *args) -> threading.Thread:
     thread = threading.Thread(target=target, args=args, daemon=True)
     thread.start()
@@ -286,13 +299,7 @@ def test_a_fill_that_should_end_before_a_plain_load_is_joined_and_serves_its_wai
 @pytest.mark.timeout(60)
 def test_a_joined_fill_slower_than_a_plain_load_is_given_up_after_that_plain_loads_time(tmp_path, caplog):
     loads, fill = _filling(tmp_path, caplog, 60 * MB, 64 * MB, plain=0.5)
-    a, b = socket.socketpair()
-    with a, b:
-        started = time.monotonic()
-        loads.load(a, _request(tmp_path), b"call", 4242)  # the fill never ends
-        waited = time.monotonic() - started
-        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
-        assert P.recv_message(b)[0] == P.Pending(KEY, True, "the fill took longer than a plain load")
+    waited = _joined_and_given_up(loads, tmp_path)  # the fill never ends
     assert 0.5 <= waited < 30, waited  # not the loader timeout
     assert loads.counters()["joined"] == 1 and not fill.done.is_set()
     assert f"pid 4242 joined the fill of {KEY[:16]}: gave up" in caplog.text
@@ -338,13 +345,7 @@ def test_a_join_that_runs_out_after_the_pack_began_is_renewed_and_served(tmp_pat
 @pytest.mark.timeout(60)
 def test_a_join_that_runs_out_while_the_loader_still_runs_the_original_loads_plainly(tmp_path, caplog, loader):
     loads, fill = _joining_the_original(tmp_path, caplog, loader, plain=0.3)
-    a, b = socket.socketpair()
-    with a, b:
-        started = time.monotonic()
-        loads.load(a, _request(tmp_path), b"call", 4242)  # the fill never packs
-        waited = time.monotonic() - started
-        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
-        assert P.recv_message(b)[0] == P.Pending(KEY, True, "the fill took longer than a plain load")
+    waited = _joined_and_given_up(loads, tmp_path)  # the fill never packs
     assert 0.3 <= waited < 0.6, waited  # one plain load's time, not two
     assert "weighs the fill" not in caplog.text and loads.counters()["joined"] == 1 and not fill.done.is_set()
 
