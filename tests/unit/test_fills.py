@@ -87,6 +87,7 @@ def _packing(fills: Fills, fill: F.Fill, written: int, expected: int, original: 
     if not isinstance(fills.clock, _Clock):
         fills.clock = _Clock()
     if not fill.packing_since:
+        fills.clock.now += 0.01  # a moment after whoever looked last
         fills.progress(fill, 0, expected, original)
     fills.clock.now += seconds
     fills.progress(fill, written, expected, original)
@@ -303,6 +304,7 @@ def test_a_joined_fill_slower_than_a_plain_load_is_given_up_after_that_plain_loa
     assert 0.5 <= waited < 30, waited  # not the loader timeout
     assert loads.counters()["joined"] == 1 and not fill.done.is_set()
     assert f"pid 4242 joined the fill of {KEY[:16]}: gave up" in caplog.text
+    assert "weighs the fill" not in caplog.text  # no news of the pack since: not weighed again
 
 
 def _joining_the_original(tmp_path, caplog, loader, plain: float) -> tuple[Loads, F.Fill]:
@@ -310,6 +312,7 @@ def _joining_the_original(tmp_path, caplog, loader, plain: float) -> tuple[Loads
     caller's plain load ``plain`` seconds; the log captured."""
     caplog.set_level(logging.INFO, LOG)
     loads = _loads(tmp_path)
+    loads.fills.clock = _Clock()
     fill = loads.fills.admit(KEY, background=True, caller=1).fill
     loads.fills.forked(fill, loader)
     loads.remember_plain_seconds(KEY, plain)
@@ -340,6 +343,54 @@ def test_a_join_that_runs_out_after_the_pack_began_is_renewed_and_served(tmp_pat
     assert f"pid 4242 joined the fill of {KEY[:16]} again: served" in caplog.text
     assert loads.counters()["joined"] == 1 and loads.registry.counters()["hits"] == 1
     loads.registry.clear()
+
+
+@pytest.mark.timeout(60)
+def test_a_join_that_runs_out_while_its_pack_reports_it_nearly_done_is_renewed_and_served(tmp_path, caplog):
+    """Note [Joining a fill]: joined while packing; by the time the wait runs out the pack has
+    reported again, and says it ends sooner than a plain load: the caller waits on, is served."""
+    loads, fill = _filling(tmp_path, caplog, 32 * MB, 64 * MB, plain=1.5)  # 32 MB to go at 32 MB/s: joined
+    a, b = socket.socketpair()
+    with a, b:
+        joiner = _start(loads.load, a, _request(tmp_path), b"call", 4242)
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        _until(lambda: loads.fills.lenders.get(KEY) == 1)
+        _packing(loads.fills, fill, 63 * MB, 64 * MB, seconds=1.0)  # news: 1 MB to go at 31.5 MB/s
+        _until(lambda: "weighs the fill" in caplog.text, timeout=5)  # after 1.5 s
+        fill.entry = _entry()
+        loads.registry.add(fill.entry)
+        loads.fills.finish(fill, remember=False)
+        served = P.recv_message(b)[0]
+        joiner.join()
+    assert isinstance(served, P.Entry) and served.key == KEY and served.hit
+    assert f"pid 4242 weighs the fill of {KEY[:16]} again: its pack reported how far it is" in caplog.text
+    assert f"pid 4242 joined the fill of {KEY[:16]} again: served" in caplog.text
+    assert loads.counters()["joined"] == 1 and loads.registry.counters()["hits"] == 1
+    loads.registry.clear()
+
+
+@pytest.mark.timeout(60)
+def test_a_join_is_renewed_at_most_max_renewals_times_however_good_the_news(tmp_path, caplog):
+    """Note [Joining a fill]: a pack that keeps reporting it is nearly done, and never ends,
+    costs the caller at most 1 + MAX_RENEWALS plain loads' time before it loads plainly."""
+    loads, fill = _filling(tmp_path, caplog, 60 * MB, 64 * MB, plain=0.2)
+    stop = threading.Event()
+
+    def report() -> None:  # a report every 20 ms, each a little further on
+        written = 60 * MB
+        while not stop.wait(0.02):
+            written = min(written + 1024, 64 * MB - 1)
+            _packing(loads.fills, fill, written, 64 * MB, seconds=0.001)
+
+    reporter = _start(report)
+    try:
+        waited = _joined_and_given_up(loads, tmp_path)
+    finally:
+        stop.set()
+        reporter.join()
+    assert 0.2 * (1 + F.MAX_RENEWALS) <= waited < 0.2 * (2 + F.MAX_RENEWALS), waited
+    assert caplog.text.count(f"pid 4242 joined the fill of {KEY[:16]} again: gave up") == F.MAX_RENEWALS
+    assert loads.counters()["joined"] == 1 and not fill.done.is_set()
 
 
 @pytest.mark.timeout(60)

@@ -94,6 +94,22 @@ def test_tied_weights_stay_tied():
     assert again.lm_head.weight is again.model.embed_tokens.weight
 
 
+def test_objects_handed_back_stay_references_whatever_their_type():
+    # Note [Objects persistent_id passes over]: a state dict (torch.load's result) or a module
+    # handed back to a later load is the caller's own object in the rebuilt result, not a copy.
+    from overmind.modelgen import build_lm
+
+    state = {"w": torch.arange(4.0)}
+    layers = [torch.nn.Linear(2, 2)]
+    model = build_lm("tiny")
+    result = {"state": state, "layers": layers, "model": model, "name": "x", "sizes": (1, 2)}
+    packed = pack(result, references={id(state): "a", id(layers): "b", id(model): "c"})
+    again = unpack(packed.skeleton, packed.map_private(), references={"a": state, "b": layers, "c": model})
+    assert again["state"] is state and again["layers"] is layers and again["model"] is model
+    assert again["name"] == "x" and again["sizes"] == (1, 2)
+    assert packed.nbytes < sum(p.nbytes for p in model.parameters())  # nothing of theirs was packed
+
+
 def test_untyped_and_typed_storages_and_subclass_tensors_round_trip():
     class Tagged(torch.Tensor):
         pass

@@ -11,7 +11,7 @@ user's server would throw away their cache. It therefore starts an ``overmind-se
 a private temporary runtime directory, points every overmind worker at it with
 ``OVERMIND_RUNTIME_DIR`` (and ``OVERMIND_NO_AUTOSTART=1``, so a worker never starts one
 elsewhere), and shuts it down at the end. Workers inherit no other ``OVERMIND_*`` setting
-of the user's, so a run measures the defaults.
+of the user's but ``OVERMIND_LOG_LEVEL``, so a run measures the defaults.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ class BenchError(RuntimeError):
 
 
 def base_env(extra: Optional[dict] = None) -> dict:
-    """The environment of every child: the user's, minus their OVERMIND_* settings, offline."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OVERMIND_")}
+    """The environment of every child: the user's, minus their OVERMIND_* settings but the log
+    level (it changes what the kept logs say, nothing else), offline."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OVERMIND_") or k == "OVERMIND_LOG_LEVEL"}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")

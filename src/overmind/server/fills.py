@@ -115,6 +115,7 @@ MAX_DEATHS = 3  # loader deaths in a row after which a key is remembered as fail
 FILL_NICE = 10  # Note [Cold fills yield to their caller]: where SCHED_IDLE could not be lifted
 CALLER_POLL = 0.1  # seconds between two looks at the caller's CPU time
 CALLER_QUIET = 2  # polls in a row under half a core: its load is over
+MAX_RENEWALS = 2  # Note [Joining a fill]
 LATE_REPORT = 0.25  # seconds without a progress report (one comes every 0.1 s) after which a pack's pace is its pace to now
 
 # Note [Joining a fill]
@@ -142,13 +143,14 @@ LATE_REPORT = 0.25  # seconds without a progress report (one comes every 0.1 s) 
 # counted) is joined as one still in the original. The wait is bounded by the plain load's
 # seconds: past them the caller loads plainly after all, so a wrong guess costs at most one
 # extra plain load's time, and a fill nobody joins still ends within its own bounds.
-# A join made while the loader ran the original is renewed once, if the fill has begun to pack
-# since: the caller then weighs what is left of the pack against a plain load, as a caller that
-# came now would, the wait behind it being spent either way (ControlNet run 2, 2 cores: it joined
-# the fill of a ControlNet whose loader ran the original, for the 0.08 s a plain load took; the
-# pack began 52 ms into that wait, the caller gave up and the entry was filed 7 ms later). The
-# renewal is weighed like any join, so at most two waits of a plain load's time come before a
-# plain load.
+# A join that runs out is weighed again, as a caller that came now would weigh it, the wait
+# behind it being spent either way: if the fill has begun to pack since the wait began (ControlNet
+# run 2, 2 cores: it joined the fill of a ControlNet whose loader ran the original, for the 0.08 s
+# a plain load took; the pack began 52 ms into that wait, the caller gave up and the entry was
+# filed 7 ms later), or if the pack, packing all along, reported how far it is (the pipeline's
+# pack, 0.42 s beside run 2 against a plain load of 0.34 s: the caller gave up 51 ms before it was
+# filed). It is weighed again only on news of the pack since the wait began, and at most
+# MAX_RENEWALS times, so a wrong guess costs at most that many more plain loads' time.
 #
 # A fill that writes its result into memory the kernel must hand out fresh is slow where
 # fresh memory is (benchmarks/fresh_memory.py: a guest that reports free memory back to its
@@ -472,18 +474,16 @@ class Fills:
                     fill.expected >> 20, left, plain, weighed)
         return plain if joins else 0.0
 
-    def packs(self, key: str) -> bool:
-        """Whether the loader of the fill of ``key`` has begun to pack (Note [Joining a fill])."""
+    def renew(self, fill: Fill, plain: float | None, pid: int, since: float) -> float:
+        """Note [Joining a fill]: how long process ``pid``, whose join of ``fill`` (waited for from
+        ``since``, by this clock) ran out, should wait again; 0: not at all."""
         with self.lock:
-            fill = self.fills.get(key)
-            return fill is not None and bool(fill.packing_since)
-
-    def renew(self, fill: Fill, plain: float | None, pid: int) -> float:
-        """Note [Joining a fill]: how long process ``pid``, whose join of ``fill`` ran out, should
-        wait again, having joined it while its loader ran the original; 0: not at all."""
-        if not self.packs(fill.key):
-            return 0.0
-        logger.info("pid %d weighs the fill of %s again: it has begun to pack", pid, fill.key[:16])
+            began = fill.packing_since > since
+            reported = fill.packing_since and fill.reported_at > since and fill.written
+        if not (began or reported):
+            return 0.0  # no news of the pack since it joined
+        logger.info("pid %d weighs the fill of %s again: %s", pid, fill.key[:16],
+                    "it has begun to pack" if began else "its pack reported how far it is")
         return self.join(fill.key, plain, pid)
 
     def wait(self, fill: Fill, waiter: int, join: float = 0.0, renewed: bool = False) -> bool:

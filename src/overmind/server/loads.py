@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 from overmind.shared import protocol as P
 from overmind.shared.config import Config
-from overmind.server.fills import Admission, Fill, Fills
+from overmind.server.fills import MAX_RENEWALS, Admission, Fill, Fills
 from overmind.server.pool import WarmPool, LoadFailure, context_from_wire
 from overmind.server.programs import ProgramHistory
 from overmind.server.registry import CacheEntry, Registry, Reply, TooLarge
@@ -206,17 +206,22 @@ class Loads:
         join = 0.0  # Note [Joining a fill] in overmind.server.fills
         if not (admission.started or request.wait or request.lookup_only):
             join = self.fills.join(request.key, self.plain_seconds.get(request.key), pid)
-        packed = bool(join) and self.fills.packs(request.key)  # when it joined: Note [Joining a fill]
         if not (request.wait or request.lookup_only or join):
             if not admission.started:  # it loads plainly beside the fill
                 self.fills.loads_plainly()
             return P.send_message(conn, P.Pending(request.key, True, ""))
         # Answer at once that we are alive and loading; the entry follows (Pending.waiting).
         P.send_message(conn, P.Pending(request.key, True, "", waiting=True))
+        since = self.fills.clock()
         done = self.fills.wait(fill, pid, join)  # it lends the fill its priority
-        if join and not done and not packed:  # it may have begun to pack since: Note [Joining a fill]
-            renewal = self.fills.renew(fill, self.plain_seconds.get(request.key), pid)
-            done = fill.done.is_set() or (bool(renewal) and self.fills.wait(fill, pid, renewal, renewed=True))
+        for _ in range(MAX_RENEWALS if join else 0):  # ran out: weighed again, Note [Joining a fill]
+            if done or fill.done.is_set():
+                break
+            renewal, since = self.fills.renew(fill, self.plain_seconds.get(request.key), pid, since), self.fills.clock()
+            if not renewal:
+                break
+            done = self.fills.wait(fill, pid, renewal, renewed=True)
+        done = done or fill.done.is_set()
         if join and not done:  # slower than we thought: the caller loads plainly after all
             self.fills.loads_plainly()
             return P.send_message(conn, P.Pending(request.key, True, "the fill took longer than a plain load"))

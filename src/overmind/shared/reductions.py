@@ -63,6 +63,7 @@ skeletons and therefore live at fixed import paths.
 
 from __future__ import annotations
 
+import collections
 import copyreg
 import gc
 import io
@@ -87,6 +88,14 @@ __all__ = ["FORMAT", "StorageRef", "TensorRef", "Packed", "pack", "unpack", "PIC
 PICKLE_PROTOCOL = 5
 FORMAT = "overmind-skeleton-2"
 _SIMPLE = (bool, int, float, str, type(None))
+# Note [Objects persistent_id passes over]
+# The pickler asks persistent_id about every object of the skeleton: 68,000 for the ControlNet
+# pipeline, nearly all of them strings, tuples, classes and the OrderedDicts of its modules, and
+# most of a file-backed pack's time went into asking. Immutable scalars and classes are never a
+# reference, a tensor or a storage, so they are passed over first; containers only after the
+# reference lookup, since a load may return a dict (torch.load) that a later call is handed back.
+_NEVER_PERSISTENT = frozenset({bool, int, float, str, bytes, type(None), type})
+_CONTAINERS = frozenset({tuple, list, dict, set, frozenset, collections.OrderedDict})
 
 
 class StorageRef(NamedTuple):
@@ -311,12 +320,16 @@ class _SkeletonPickling:
 
     _tables: _Tables
 
-    def persistent_id(self, obj):  # pickle hook, called for every object
+    def persistent_id(self, obj):  # pickle hook, called for every object: Note [Objects persistent_id passes over]
+        cls = type(obj)
+        if cls in _NEVER_PERSISTENT:
+            return None
         if self._tables.references:
             key = self._tables.references.get(id(obj))
             if key is not None:
                 return self._tables.add_object(("r", key), ExternalRef(key), obj)
-        cls = type(obj)
+        if cls in _CONTAINERS:
+            return None
         if cls is torch.Tensor or cls is torch.nn.Parameter:
             return self._tensor(obj, cls is torch.nn.Parameter)
         if cls is torch.storage.TypedStorage:
