@@ -58,8 +58,8 @@ import time
 
 from overmind.warm import devices
 
-__all__ = ["ThreadCensus", "Watch", "Refused", "thread_ids", "thread_names", "started_since", "stop_openblas_pools",
-           "stop_pools", "cuda_note", "FORK_SAFE"]
+__all__ = ["ThreadCensus", "Watch", "Refused", "thread_ids", "thread_names", "started_since", "settled_threads",
+           "stop_openblas_pools", "stop_pools", "cuda_note", "FORK_SAFE"]
 
 # Threads a library starts whose fork handling was read and tested (Note [Threads libraries start]).
 FORK_SAFE = {"jemalloc_bg_thd": "jemalloc's background thread (its fork handlers take its locks)"}
@@ -155,6 +155,24 @@ def started_since(before: frozenset[str]) -> frozenset[str]:
         time.sleep(0.002)
 
 
+def settled_threads() -> frozenset[str]:
+    """The threads that are no pool's, once OpenBLAS's pools are stopped: what a ready
+    interpreter counts as its own (``ThreadCensus.take``). A pool's joined thread may stay listed
+    a moment while it exits, so the threads are counted again until two counts 2 ms apart agree;
+    waiting instead for no stranger to be left, as :func:`started_since` does, waited its whole
+    0.5 s here, the main thread being one, and made every interpreter ready 0.5 s later."""
+    stopped = stop_pools()
+    now = frozenset(t for t in thread_ids() if _judged(t) == "stranger")
+    deadline = time.monotonic() + 0.5
+    while stopped and time.monotonic() < deadline:
+        time.sleep(0.002)
+        again = frozenset(t for t in thread_ids() if _judged(t) == "stranger")
+        if again == now:
+            break
+        now = again
+    return now
+
+
 def cuda_note() -> str:
     """Why CUDA makes a fork unsafe now, or "" (Note [Warm interpreters never touch CUDA] in
     overmind.server.pool). Where libcuda is mapped, ``cuDeviceGetCount`` answers
@@ -182,8 +200,7 @@ class ThreadCensus:
 
     def take(self) -> None:
         """When ready: what is running now, pools that stop for a fork stopped first, is its own."""
-        self.own = frozenset()
-        self.own = self.strangers()
+        self.own = settled_threads()
 
     def strangers(self) -> frozenset[str]:
         """Threads started since :meth:`take` that a child forked now would miss."""
