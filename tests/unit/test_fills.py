@@ -319,30 +319,38 @@ def _joining_the_original(tmp_path, caplog, loader, plain: float) -> tuple[Loads
     return loads, fill
 
 
-@pytest.mark.timeout(60)
-def test_a_join_that_runs_out_after_the_pack_began_is_renewed_and_served(tmp_path, caplog, loader):
-    """Note [Joining a fill]: joined while the loader ran the original; its pack begins during the
-    wait and ends just after it: the caller waits on, and is served, rather than load plainly."""
-    loads, fill = _joining_the_original(tmp_path, caplog, loader, plain=0.5)
+def _renewed_and_served(loads: Loads, fill: F.Fill, tmp_path, caplog, news) -> None:
+    """Process 4242 loads KEY and joins its fill; ``news()`` then comes of its pack during the
+    wait; once the join ran out and was weighed again, the fill files its entry: 4242 is served
+    it, as one join and one hit."""
     a, b = socket.socketpair()
     with a, b:
-        started = time.monotonic()
         joiner = _start(loads.load, a, _request(tmp_path), b"call", 4242)
         assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
-        _packing(loads.fills, fill, 60 * MB, 64 * MB)  # 4 MB to go at 60 MB/s
+        _until(lambda: loads.fills.lenders.get(KEY) == 1)  # it waits, lending the fill its priority
+        news()
         _until(lambda: "weighs the fill" in caplog.text and loads.fills.lenders.get(KEY) == 1)  # it waits again
         fill.entry = _entry()
         loads.registry.add(fill.entry)
         loads.fills.finish(fill, remember=False)
         served = P.recv_message(b)[0]
         joiner.join()
-    assert time.monotonic() - started >= 0.5
     assert isinstance(served, P.Entry) and served.key == KEY and served.hit
-    assert f"pid 4242 joined the fill of {KEY[:16]}: gave up" in caplog.text
-    assert f"pid 4242 weighs the fill of {KEY[:16]} again: it has begun to pack" in caplog.text
     assert f"pid 4242 joined the fill of {KEY[:16]} again: served" in caplog.text
     assert loads.counters()["joined"] == 1 and loads.registry.counters()["hits"] == 1
     loads.registry.clear()
+
+
+@pytest.mark.timeout(60)
+def test_a_join_that_runs_out_after_the_pack_began_is_renewed_and_served(tmp_path, caplog, loader):
+    """Note [Joining a fill]: joined while the loader ran the original; its pack begins during the
+    wait and ends just after it: the caller waits on, and is served, rather than load plainly."""
+    loads, fill = _joining_the_original(tmp_path, caplog, loader, plain=0.5)
+    started = time.monotonic()
+    _renewed_and_served(loads, fill, tmp_path, caplog, lambda: _packing(loads.fills, fill, 60 * MB, 64 * MB))
+    assert time.monotonic() - started >= 0.5
+    assert f"pid 4242 joined the fill of {KEY[:16]}: gave up" in caplog.text
+    assert f"pid 4242 weighs the fill of {KEY[:16]} again: it has begun to pack" in caplog.text
 
 
 @pytest.mark.timeout(60)
@@ -350,23 +358,9 @@ def test_a_join_that_runs_out_while_its_pack_reports_it_nearly_done_is_renewed_a
     """Note [Joining a fill]: joined while packing; by the time the wait runs out the pack has
     reported again, and says it ends sooner than a plain load: the caller waits on, is served."""
     loads, fill = _filling(tmp_path, caplog, 32 * MB, 64 * MB, plain=1.5)  # 32 MB to go at 32 MB/s: joined
-    a, b = socket.socketpair()
-    with a, b:
-        joiner = _start(loads.load, a, _request(tmp_path), b"call", 4242)
-        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
-        _until(lambda: loads.fills.lenders.get(KEY) == 1)
-        _packing(loads.fills, fill, 63 * MB, 64 * MB, seconds=1.0)  # news: 1 MB to go at 31.5 MB/s
-        _until(lambda: "weighs the fill" in caplog.text, timeout=5)  # after 1.5 s
-        fill.entry = _entry()
-        loads.registry.add(fill.entry)
-        loads.fills.finish(fill, remember=False)
-        served = P.recv_message(b)[0]
-        joiner.join()
-    assert isinstance(served, P.Entry) and served.key == KEY and served.hit
+    _renewed_and_served(loads, fill, tmp_path, caplog,  # news: 1 MB to go at 31.5 MB/s
+                        lambda: _packing(loads.fills, fill, 63 * MB, 64 * MB, seconds=1.0))
     assert f"pid 4242 weighs the fill of {KEY[:16]} again: its pack reported how far it is" in caplog.text
-    assert f"pid 4242 joined the fill of {KEY[:16]} again: served" in caplog.text
-    assert loads.counters()["joined"] == 1 and loads.registry.counters()["hits"] == 1
-    loads.registry.clear()
 
 
 @pytest.mark.timeout(60)
