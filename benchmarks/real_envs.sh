@@ -11,7 +11,8 @@
 #     benchmarks/real_envs.sh minimal    # a venv of torch, diffusers, transformers, accelerate only
 #                                        # (made in /tmp/overmind-minimal-venv): no regression there
 #
-# ROUNDS (default 2) sets --curve-rounds; results in out/real_envs/<case>.json, logs beside them.
+# ROUNDS (default 2) sets --curve-rounds; results in out/real_envs/<case>.json. KEEP_LOGS=1 keeps
+# the servers' and runs' logs (the bench prints where; OVERMIND_LOG_LEVEL=DEBUG reaches the server).
 set -euo pipefail
 case ${1:-} in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 cd "$(dirname "$0")/.."
@@ -21,6 +22,7 @@ OUT=out/real_envs
 mkdir -p "$OUT"
 case=${1:?usage: benchmarks/real_envs.sh users|many-cpus|stranger|minimal}
 bench=(-m overmind.bench --scenarios warmup_curve --curve-rounds "$ROUNDS" --no-progress --json "$OUT/$case.json")
+[ "${KEEP_LOGS:-0}" = 1 ] && bench+=(--keep-logs)
 work=$(mktemp -d /tmp/overmind-real-envs.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
