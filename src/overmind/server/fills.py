@@ -142,7 +142,8 @@ LATE_REPORT = 0.25  # seconds without a progress report (one comes every 0.1 s) 
 # goes faster. A packing fill that reports nothing (small, or a result whose bytes cannot be
 # counted) is joined as one still in the original. The wait is bounded by the plain load's
 # seconds: past them the caller loads plainly after all, so a wrong guess costs at most one
-# extra plain load's time, and a fill nobody joins still ends within its own bounds.
+# extra plain load's time (more only on news of the pack, below), and a fill nobody joins still
+# ends within its own bounds.
 # A join that runs out is weighed again, as a caller that came now would weigh it, the wait
 # behind it being spent either way: if the fill has begun to pack since the wait began (ControlNet
 # run 2, 2 cores: it joined the fill of a ControlNet whose loader ran the original, for the 0.08 s
