@@ -171,9 +171,12 @@ class Settler:
             self._mapped.pop(ident).close()
         for ident, size, fd in segments if self.keep_pages else ():
             if ident not in self._mapped and not _evicted(fd, size):
+                started = time.monotonic()
                 mapping = hold_pages(fd, size)
                 if mapping is not None:
                     self._mapped[ident] = mapping
+                    logger.debug("holding the pages of file segment %d:%d (%d MB) after %.2fs", *ident, size >> 20,
+                                 time.monotonic() - started)
 
     def _settle_one(self, ident: tuple[int, int], size: int, source: int, pause: bool) -> None:
         try:
