@@ -125,6 +125,23 @@ def _joined_and_given_up(loads: Loads, tmp_path) -> float:
     return waited
 
 
+def _joined_and_served(loads: Loads, fill: F.Fill, tmp_path, meanwhile) -> P.Message:
+    """Process 4242 loads KEY and joins its fill; ``meanwhile()`` runs while it waits, then the
+    fill files its entry. What 4242 got after its ``Pending(waiting=True)``."""
+    a, b = socket.socketpair()
+    with a, b:
+        joiner = _start(loads.load, a, _request(tmp_path), b"call", 4242)
+        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
+        _until(lambda: loads.fills.lenders.get(KEY) == 1)  # it waits, lending the fill its priority
+        meanwhile()
+        fill.entry = _entry()
+        loads.registry.add(fill.entry)
+        loads.fills.finish(fill, remember=False)
+        served = P.recv_message(b)[0]
+        joiner.join()
+    return served
+
+
 def _start(target, *args) -> threading.Thread:
     thread = threading.Thread(target=target, args=args, daemon=True)
     thread.start()
@@ -278,17 +295,11 @@ def test_a_fills_waiters_get_its_failure_and_the_next_caller_the_remembered_one(
 
 def test_a_fill_that_should_end_before_a_plain_load_is_joined_and_serves_its_waiter(tmp_path, caplog):
     loads, fill = _filling(tmp_path, caplog, 60 * MB, 64 * MB, plain=5.0)  # 4 MB to go at 60 MB/s
-    a, b = socket.socketpair()
-    with a, b:
-        joiner = _start(loads.load, a, _request(tmp_path), b"call", 4242)
-        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
-        _until(lambda: loads.fills.lenders.get(KEY) == 1)  # it waits, lending the fill its priority
+
+    def lifted() -> None:
         assert not fill.background and fill.wanted.is_set()
-        fill.entry = _entry()
-        loads.registry.add(fill.entry)
-        loads.fills.finish(fill, remember=False)
-        served = P.recv_message(b)[0]
-        joiner.join()
+
+    served = _joined_and_served(loads, fill, tmp_path, lifted)
     assert isinstance(served, P.Entry) and served.key == KEY and served.hit
     assert loads.fills.lenders == {}
     assert loads.counters()["joined"] == 1 and loads.registry.counters()["hits"] == 1
@@ -323,18 +334,11 @@ def _renewed_and_served(loads: Loads, fill: F.Fill, tmp_path, caplog, news) -> N
     """Process 4242 loads KEY and joins its fill; ``news()`` then comes of its pack during the
     wait; once the join ran out and was weighed again, the fill files its entry: 4242 is served
     it, as one join and one hit."""
-    a, b = socket.socketpair()
-    with a, b:
-        joiner = _start(loads.load, a, _request(tmp_path), b"call", 4242)
-        assert P.recv_message(b)[0] == P.Pending(KEY, True, "", waiting=True)
-        _until(lambda: loads.fills.lenders.get(KEY) == 1)  # it waits, lending the fill its priority
+    def meanwhile() -> None:
         news()
         _until(lambda: "weighs the fill" in caplog.text and loads.fills.lenders.get(KEY) == 1)  # it waits again
-        fill.entry = _entry()
-        loads.registry.add(fill.entry)
-        loads.fills.finish(fill, remember=False)
-        served = P.recv_message(b)[0]
-        joiner.join()
+
+    served = _joined_and_served(loads, fill, tmp_path, meanwhile)
     assert isinstance(served, P.Entry) and served.key == KEY and served.hit
     assert f"pid 4242 joined the fill of {KEY[:16]} again: served" in caplog.text
     assert loads.counters()["joined"] == 1 and loads.registry.counters()["hits"] == 1

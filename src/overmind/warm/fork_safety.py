@@ -148,11 +148,16 @@ def started_since(before: frozenset[str]) -> frozenset[str]:
     stopped = stop_pools()
     deadline = time.monotonic() + 0.5
     while True:
-        left = frozenset(t for t in thread_ids() - before if _judged(t) == "stranger")
+        left = _strangers(before)
         # A joined thread stays listed a moment while it exits: the pools just stopped.
         if not left or not stopped or time.monotonic() > deadline:
             return left
         time.sleep(0.002)
+
+
+def _strangers(before: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The threads running now, not in ``before``, that nobody vouches for (``_judged``)."""
+    return frozenset(t for t in thread_ids() - before if _judged(t) == "stranger")
 
 
 def settled_threads() -> frozenset[str]:
@@ -162,11 +167,11 @@ def settled_threads() -> frozenset[str]:
     waiting instead for no stranger to be left, as :func:`started_since` does, waited its whole
     0.5 s here, the main thread being one, and made every interpreter ready 0.5 s later."""
     stopped = stop_pools()
-    now = frozenset(t for t in thread_ids() if _judged(t) == "stranger")
+    now = _strangers()
     deadline = time.monotonic() + 0.5
     while stopped and time.monotonic() < deadline:
         time.sleep(0.002)
-        again = frozenset(t for t in thread_ids() if _judged(t) == "stranger")
+        again = _strangers()
         if again == now:
             break
         now = again
