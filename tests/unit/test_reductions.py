@@ -429,7 +429,7 @@ class InAFile:
     def find(self, digest, nbytes):
         return None
 
-    def may_hold(self, nbytes):
+    def may_hold(self, address, nbytes):
         return nbytes in self.indexed
 
     def in_file(self, address, nbytes):
@@ -457,3 +457,41 @@ def test_a_storage_left_in_its_file_is_hashed_after_the_pack_only_where_nothing_
     assert [r[1] for r in partly.contents] == [second.nbytes]
     assert [u[1] for u in partly.unhashed] == [first.nbytes]
     store.segment.close()
+
+
+def test_a_region_of_the_same_size_is_probed_and_only_a_matching_probe_costs_a_whole_hash():
+    """Note [Probing before hashing] in overmind.warm.dedup: the real store over a real sealed
+    segment, opened through /proc/<pid>/fd with its identity checked, as a loader opens the server's."""
+    import xxhash
+
+    from overmind.shared.memfd import Segment
+    from overmind.shared.reductions import DEDUP_MIN_BYTES
+    from overmind.warm import dedup
+
+    held = torch.randn(DEDUP_MIN_BYTES)  # 256 KiB, over PROBE
+    raw = bytes(memoryview(held.numpy()).cast("B"))
+    segment = Segment.create("held", len(raw))
+    segment.write_at(0, raw)
+    segment.seal()
+    st = os.fstat(segment.fd)
+    index = {"keys": ["k" * 64], "handles": [[[segment.fd, len(raw), st.st_dev, st.st_ino]]],
+             "regions": [[xxhash.xxh3_128_hexdigest(raw), len(raw), 0, st.st_dev, st.st_ino, 0]]}
+    store = dedup.SegmentContents(index, os.getpid())
+    try:
+        same, other = held.clone(), torch.randn(DEDUP_MIN_BYTES)
+        tail_differs = held.clone()
+        tail_differs[-1] += 1  # same probe, other bytes: hashed whole, and not found
+        address = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+        assert store.may_hold(address(same), len(raw))
+        assert store.may_hold(address(tail_differs), len(raw))
+        assert not store.may_hold(address(other), len(raw))  # same size, other bytes: no hash needed
+        assert not store.may_hold(address(held[:-1]), len(raw) - 4)  # no region of that size
+        assert store.fds == [] and store.holders == []  # probing named no segment of this pack's
+        # What the probe let through is decided by the whole hash, as before.
+        digest = lambda t: xxhash.xxh3_128_digest(bytes(memoryview(t.numpy()).cast("B")))  # noqa: E731
+        assert store.find(digest(tail_differs), len(raw)) is None
+        assert store.find(digest(same), len(raw)) == (0, 0)
+        assert len(store.fds) == 1 and store.holders == ["k" * 64]
+    finally:
+        store.close()
+        segment.close()

@@ -165,9 +165,10 @@ class ContentStore(Protocol):
         """``(external segment number, offset)`` where the ``nbytes`` at ``address`` are a model
         file's own pages (Note [File-backed segments] in overmind.shared.memfd), or None."""
 
-    def may_hold(self, nbytes: int) -> bool:
-        """Whether any region it could return has ``nbytes``: a storage of another size is never
-        found, so its hash may wait (Note [Hashing a file's storages after the answer] in overmind.warm.loader)."""
+    def may_hold(self, address: int, nbytes: int) -> bool:
+        """Whether a region it could return may hold the ``nbytes`` at ``address``; False only when
+        none can, so their hash may wait (Note [Hashing a file's storages after the answer] in
+        overmind.warm.loader, Note [Probing before hashing] in overmind.warm.dedup)."""
 
 @dataclass
 class Packed:
@@ -256,7 +257,7 @@ class _Tables:
         import xxhash  # packing only: keep unpack's imports light
 
         may_hold = getattr(self.store, "may_hold", None)
-        if self.hash_files_later and may_hold is not None and not may_hold(nbytes):
+        if self.hash_files_later and may_hold is not None and not may_hold(source.data_ptr(), nbytes):
             found = self._in_file(source, nbytes)
             if found is not None:  # Note [Hashing a file's storages after the answer] in overmind.warm.loader
                 self.unhashed.append((source.data_ptr(), nbytes, *found))

@@ -21,8 +21,9 @@ xxh3 over pages the loader had not touched yet, and ``overmind run``'s run 2, st
 after run 1 exited, found its fill still packing and loaded plainly beside it (Note [Joining a
 fill] in overmind.server.fills). Yet the entry needs no hash: only a later load's pack does, to
 find these bytes. So a pack large enough to report its progress leaves a storage it places in a
-file unhashed when no region of the index has its size (nothing there could match it); the
-loader answers, then hashes those at idle priority and sends their records (``FileContents``)
+file unhashed when no region of the index could hold it (Note [Probing before hashing] in
+overmind.warm.dedup); the loader answers, then hashes those at idle priority and sends their
+records (``FileContents``)
 on the job socket, which the server adds to the entry while it waits for the loader to exit. A
 load whose pack starts before they arrive (a copy of the same model, loaded within that
 second), or after the loader died first, does not find them: it keeps its own file's pages,
