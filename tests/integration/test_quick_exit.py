@@ -17,7 +17,7 @@ import pytest
 from ..conftest import REPO, child_env
 
 SCRIPT = r'''
-import atexit, gc, sys
+import atexit, gc, io, sys
 atexit.register(lambda: print("earliest callback, heap frozen:", gc.get_freeze_count() > 0, flush=True))
 import overmind.api
 overmind.api.monkey_patch_all()
@@ -35,8 +35,18 @@ class Noisy:
         print("cyclic garbage finalized", flush=True)
 
 
+class Buffered(io.BufferedWriter):  # a subclass, two levels down from the io type
+    pass
+
+
+class Deeper(Buffered):
+    pass
+
+
 kept = Holder(sys.argv[1])
 kept.file.write("kept in a cycle\n" * 100)
+kept.raw = Deeper(io.FileIO(sys.argv[1] + ".bin", "w"))  # in the same cycle, unflushed
+kept.raw.write(b"binary, in a subclass\n" * 100)
 noisy = Noisy()
 noisy.me = noisy
 del noisy
@@ -50,7 +60,7 @@ def _run(tmp_path, name: str, **env: str) -> tuple[subprocess.CompletedProcess, 
     script.write_text(SCRIPT)
     proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120,
                           cwd=REPO, env=child_env(OVERMIND_PRESTART="0", OVERMIND_NO_AUTOSTART="1", **env))
-    return proc, out.read_bytes()
+    return proc, out.read_bytes() + out.with_suffix(".txt.bin").read_bytes()
 
 
 @pytest.mark.parametrize("setting", ["", "1", "yes"])
@@ -58,7 +68,7 @@ def test_the_drop_in_skips_the_teardowns_sweep_and_keeps_plains_status_output_fi
     plain, plain_file = _run(tmp_path, "plain", OVERMIND_DISABLE="1")
     quick, quick_file = _run(tmp_path, "quick", OVERMIND_QUICK_EXIT=setting)
     assert plain.returncode == quick.returncode == 3, quick.stderr
-    assert quick_file == plain_file == b"kept in a cycle\n" * 100
+    assert quick_file == plain_file == b"kept in a cycle\n" * 100 + b"binary, in a subclass\n" * 100
     lines = quick.stdout.splitlines()
     assert sorted(lines) == sorted(plain.stdout.replace("frozen: False", "frozen: True").splitlines()), \
         (plain.stdout, quick.stdout)
@@ -68,5 +78,5 @@ def test_the_drop_in_skips_the_teardowns_sweep_and_keeps_plains_status_output_fi
 
 def test_overmind_quick_exit_0_leaves_the_teardown_as_it_is(tmp_path):
     proc, data = _run(tmp_path, "off", OVERMIND_QUICK_EXIT="0")
-    assert proc.returncode == 3 and data == b"kept in a cycle\n" * 100
+    assert proc.returncode == 3 and data == b"kept in a cycle\n" * 100 + b"binary, in a subclass\n" * 100
     assert "earliest callback, heap frozen: False" in proc.stdout
