@@ -334,7 +334,9 @@ def test_a_plain_load_is_weighed_at_what_the_loaders_original_took_when_less(ser
     assert decision, log[-3000:]
     joins, left, plain, weighed = decision[1] == "joins", float(decision[2]), float(decision[3]), decision[4]
     assert (plain, weighed) == (original, "the loader's call of the original"), log[-3000:]
-    assert joins == (left <= plain) and server.status()["joined"] == joins
+    if left != plain:  # the log rounds both to 0.01 s: where they print equal, either way is the clock's
+        assert joins == (left < plain), log[-3000:]
+    assert server.status()["joined"] == joins
     assert _go(server, slowlib)["entries"] == 1
 
 
