@@ -230,3 +230,51 @@ def test_a_load_forked_from_an_interpreter_a_run_started_sees_its_contexts_envir
     finally:
         server.stop()
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_a_lineage_keeps_one_interpreter_for_runs_and_loads_and_one_started_for_a_load_imports_under_the_last_run(
+        tmp_path, envlib):
+    """Note [One interpreter per lineage] in overmind.server.pool: once runs were forked (the
+    interpreter is filed under its own value of the setting its imports read), a client's load
+    forks from it rather than starting a second; and after it retired, the interpreter a load
+    starts imports under the last run's environment, so the next run is forked, not plain."""
+    (tmp_path / "readenv.py").write_text(READ_ENV)
+    script = tmp_path / "flavour.py"
+    script.write_text(f"import sys\nheld = {envlib!r} in sys.modules\nimport {envlib} as lib\n"
+                      "print(held, lib.FLAVOUR, lib.EXTRAS)\n")
+    runtime = Path(tempfile.mkdtemp(prefix="om-env-lineage-", dir="/tmp"))
+    server = ServerProcess(runtime, extra_env={"OVERMIND_WARM_MAX": "1"})
+
+    def load(name: str, **extra) -> None:
+        client = f"import json, overmind.api, readenv\nprint(json.dumps(overmind.api.load(readenv.read, {name!r})))\n"
+        proc = subprocess.run([sys.executable, "-c", client], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env=_env(server, OVERMIND_COLD="wait", OVERMIND_STRICT="1", **extra))
+        assert proc.returncode == 0 and json.loads(proc.stdout) == {"value": None}, proc.stderr[-3000:]
+
+    def started() -> int:
+        return server.log().count("started warm interpreter")
+
+    try:
+        spicy = _env(server, **{f"{_prefix()}_FLAVOUR": "spicy"})
+        first = _run(server, str(script), env=spicy, cwd=tmp_path)  # plain; an interpreter starts under it
+        assert first.returncode == 0 and first.stdout == "False spicy []\n", first.stderr[-3000:]
+        _until_warm_and_held(server, [str(script)], spicy, tmp_path,
+                             lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
+        before = _runs(server)
+        again = _run(server, str(script), env=spicy, cwd=tmp_path)  # forked from it, now filed under its value
+        assert again.stdout == "True spicy []\n" and _runs(server) == before + 1, server.log()[-3000:]
+        assert started() == 1, server.log()[-3000:]
+        load("A")
+        assert started() == 1, server.log()[-3000:]  # the load forked from the runs' interpreter
+        load("B", OPENBLAS_NUM_THREADS="1")  # another context: its interpreter retires ours (OVERMIND_WARM_MAX=1)
+        assert started() == 2 and "retiring warm interpreter" in server.log(), server.log()[-3000:]
+        load("C")  # the lineage has none now: this load starts one
+        assert started() == 3, server.log()[-3000:]
+        _wait_warm(server)
+        before = _runs(server)
+        proc = _run(server, str(script), env=spicy, cwd=tmp_path)
+        assert proc.returncode == 0 and proc.stdout == "True spicy []\n", proc.stderr[-3000:]
+        assert _runs(server) == before + 1, f"the run went plain\n{server.log()[-3000:]}"
+    finally:
+        server.stop()
+        shutil.rmtree(runtime, ignore_errors=True)

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["WarmPool", "LoadFailure", "context_from_wire", "run_from_wire"]
 
 MAX_CANNOT_FORK = 3  # interpreters of a lineage retired in a row as unable to fork, before its runs go plain
+MAX_ENVIRONMENTS = 64  # lineages whose last run's environment is kept (Note [One interpreter per lineage])
 NOTICE_POLL = 0.25  # seconds between looks for an interpreter's Unforkable (WarmPool.watch_notices)
 
 
@@ -80,30 +81,58 @@ class WarmPool:
         self.lessons = Lessons()  # what each lineage learned (overmind.server.lessons)
         self.retired = 0
         self._cannot_fork: dict[str, int] = {}  # lineage -> interpreters retired as unable to fork
+        # lineage -> the whole environment its last run or client gave: what an interpreter started
+        # for a load imports under (Note [One interpreter per lineage]); never written to disk
+        self._environments: "OrderedDict[str, dict]" = OrderedDict()
         self._counted_unforkable: "weakref.WeakSet[WarmProcess]" = weakref.WeakSet()
 
     def _interpreter(self, context: Context, create: bool = True, env: dict | None = None) -> WarmProcess | None:
+        """The interpreter that serves ``context``, started if ``create`` (Note [One interpreter per
+        lineage]); ``env``: the whole environment of the run or client asking."""
         with self.lock:
-            interpreter = self.interpreters.get(context.key)
+            if env is not None:
+                self._remember_environment(context, env)
+            key = self._serving(context)
+            interpreter = self.interpreters.get(key)
             if interpreter is not None and not interpreter.alive:
                 logger.warning("warm interpreter %d for context %s died (exit %s); starting another",
-                               interpreter.proc.pid, context.key, interpreter.proc.returncode)
-                del self.interpreters[context.key]
+                               interpreter.proc.pid, key, interpreter.proc.returncode)
+                del self.interpreters[key]
                 interpreter.retire()
                 interpreter = None
             if interpreter is None and create:
+                key = context.key
                 modules, refused = self.lessons.for_new(context, list(self.interpreters.values()))
-                interpreter = self.interpreters[context.key] = WarmProcess(
+                interpreter = self.interpreters[key] = WarmProcess(
                     context, self.config, modules, refused, on_reads=self.lessons.heard_reads,
-                    packages=self.lessons.packages_for(context), env=env)
+                    packages=self.lessons.packages_for(context),
+                    env=env if env is not None else self._environments.get(context.lineage))
             if interpreter is not None:
-                self.interpreters.move_to_end(context.key)
+                self.interpreters.move_to_end(key)
             victims = []
             while len(self.interpreters) > self.config.warm_max:
                 victims.append(self.interpreters.popitem(last=False)[1])
         for victim in victims:
             self._retire(victim, "over OVERMIND_WARM_MAX")
         return interpreter
+
+    def _serving(self, context: Context) -> str:
+        """The key of the interpreter that serves ``context`` (Note [One interpreter per lineage]):
+        its own; for a context as a client sent it (a load's, a Prepare's), the most recently used
+        interpreter of its lineage when none has its key. Under self.lock."""
+        if context.key in self.interpreters or context.family:
+            return context.key
+        for key in reversed(self.interpreters):
+            if self.interpreters[key].context.lineage == context.lineage:
+                return key
+        return context.key
+
+    def _remember_environment(self, context: Context, env: dict) -> None:
+        """Under self.lock."""
+        self._environments[context.lineage] = env
+        self._environments.move_to_end(context.lineage)
+        while len(self._environments) > MAX_ENVIRONMENTS:
+            self._environments.popitem(last=False)
 
     def _retire(self, interpreter: WarmProcess, why: str) -> None:
         with self.lock:
@@ -228,6 +257,8 @@ class WarmPool:
     def fork_run(self, context: Context, spec: RunSpec, fds: list[int]) -> int:
         """Fork a run from the context's ready interpreter; its pid, or RunRefused (and one is
         made ready for next time)."""
+        with self.lock:
+            self._remember_environment(context, spec.env)
         self._rekey(context.lineage)
         base, context = context, self.lessons.with_reads(context, spec.env)
         interpreter = self._interpreter(context, create=False)
@@ -357,6 +388,19 @@ class WarmPool:
 # its lineage knows what imports read, an interpreter belongs under the key of its own values
 # of those (``_rekey``): a run with the same values is forked from it, and one with other values
 # gets an interpreter of its own instead of being refused by this one for good.
+
+# Note [One interpreter per lineage]
+# A load or a Prepare names its context as the client sent it, without the values of what the
+# imports read; the lineage's interpreter may be filed under the key of its own values
+# (``_rekey``). Such a client is served by the lineage's most recently used interpreter, not by a
+# second one that would import the same thousands of modules again (seconds of CPU, as much
+# memory again); a loader keeps only what selects the context (overmind.warm.loader), so which
+# one it forks from does not change a fill. An interpreter started without a run's environment
+# (by a load, after its predecessor retired; by a Prepare that got there before its
+# predecessor's successor) imports under the lineage's last run's: under only the context's it
+# would not see the shell's other settings its imports read (CI, COLUMNS, a library's own), be
+# filed under a key no run of that shell has, and the next runs would go plain while yet
+# another interpreter imported (seen once in CI: runs 2 and 3 of a curve plain).
 
 def _filed_by_own_values(interpreters: "OrderedDict[str, WarmProcess]", lineage: str, with_reads):
     """(the interpreters with those of ``lineage`` filed under their own values of what their imports
