@@ -152,6 +152,13 @@ LATE_REPORT = 0.25  # seconds without a progress report (one comes every 0.1 s) 
 # pack, 0.42 s beside run 2 against a plain load of 0.34 s: the caller gave up 51 ms before it was
 # filed). It is weighed again only on news of the pack since the wait began, and at most
 # MAX_RENEWALS times, so a wrong guess costs at most that many more plain loads' time.
+# One exception to news: a join that runs out with the loader still in the original waits once
+# more, for a plain load's time. The loader has run the call a plain load makes, its imports
+# done, for that long at the caller's priority, so the call is close to its end, while giving up
+# costs a whole plain load: ControlNet run 2 (users' venv, 2 cores, both rounds of a curve)
+# joined the pipeline's fill as its loader was forked, for the 0.21 s a plain load took; its pack
+# began 58-107 ms after the caller gave up, and it was filed 0.22 s after, when the caller's plain
+# load of 1.9 GB of private memory ended. The bound stays 1 + MAX_RENEWALS plain loads' time.
 #
 # A fill that writes its result into memory the kernel must hand out fresh is slow where
 # fresh memory is (benchmarks/fresh_memory.py: a guest that reports free memory back to its
@@ -475,13 +482,18 @@ class Fills:
                     fill.expected >> 20, left, plain, weighed)
         return plain if joins else 0.0
 
-    def renew(self, fill: Fill, plain: float | None, pid: int, since: float) -> float:
+    def renew(self, fill: Fill, plain: float | None, pid: int, since: float, first: bool = True) -> float:
         """Note [Joining a fill]: how long process ``pid``, whose join of ``fill`` (waited for from
-        ``since``, by this clock) ran out, should wait again; 0: not at all."""
+        ``since``, by this clock) ran out, should wait again (``first``: no renewal yet); 0: not at all."""
         with self.lock:
             began = fill.packing_since > since
             reported = fill.packing_since and fill.reported_at > since and fill.written
+            original = not fill.packing_since and fill.pid != 0 and not fill.fresh
         if not (began or reported):
+            if first and original and plain:  # a plain load's time at normal priority: close to its end
+                logger.info("pid %d waits once more for the fill of %s: its loader still runs the original",
+                            pid, fill.key[:16])
+                return plain
             return 0.0  # no news of the pack since it joined
         logger.info("pid %d weighs the fill of %s again: %s", pid, fill.key[:16],
                     "it has begun to pack" if began else "its pack reported how far it is")

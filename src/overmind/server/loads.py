@@ -214,10 +214,11 @@ class Loads:
         P.send_message(conn, P.Pending(request.key, True, "", waiting=True))
         since = self.fills.clock()
         done = self.fills.wait(fill, pid, join)  # it lends the fill its priority
-        for _ in range(MAX_RENEWALS if join else 0):  # ran out: weighed again, Note [Joining a fill]
+        for renewals in range(MAX_RENEWALS if join else 0):  # ran out: weighed again, Note [Joining a fill]
             if done or fill.done.is_set():
                 break
-            renewal, since = self.fills.renew(fill, self.plain_seconds.get(request.key), pid, since), self.fills.clock()
+            renewal = self.fills.renew(fill, self.plain_seconds.get(request.key), pid, since, first=not renewals)
+            since = self.fills.clock()
             if not renewal:
                 break
             done = self.fills.wait(fill, pid, renewal, renewed=True)
