@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["WarmPool", "LoadFailure", "context_from_wire", "run_from_wire"]
 
 MAX_CANNOT_FORK = 3  # interpreters of a lineage retired in a row as unable to fork, before its runs go plain
-MAX_ENVIRONMENTS = 64  # lineages whose last run's environment is kept (Note [One interpreter per lineage])
+MAX_ENVIRONMENTS = 64  # lineages whose last environment given is kept (Note [One interpreter per lineage])
 NOTICE_POLL = 0.25  # seconds between looks for an interpreter's Unforkable (WarmPool.watch_notices)
 
 
@@ -395,9 +395,10 @@ class WarmPool:
 # (``_rekey``). Such a client is served by the lineage's most recently used interpreter, not by a
 # second one that would import the same thousands of modules again (seconds of CPU, as much
 # memory again); a loader keeps only what selects the context (overmind.warm.loader), so which
-# one it forks from does not change a fill. An interpreter started without a run's environment
+# one it forks from does not change a fill. An interpreter started without a whole environment
 # (by a load, after its predecessor retired; by a Prepare that got there before its
-# predecessor's successor) imports under the lineage's last run's: under only the context's it
+# predecessor's successor) imports under the last one a run or a client of the lineage gave
+# (``overmind run``, ``monkey_patch_all()``, a first run's report). Under only the context's, it
 # would not see the shell's other settings its imports read (CI, COLUMNS, a library's own), be
 # filed under a key no run of that shell has, and the next runs would go plain while yet
 # another interpreter imported (seen once in CI: runs 2 and 3 of a curve plain).
