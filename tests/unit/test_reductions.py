@@ -495,3 +495,38 @@ def test_a_region_of_the_same_size_is_probed_and_only_a_matching_probe_costs_a_w
     finally:
         store.close()
         segment.close()
+
+
+def test_a_segment_that_cannot_be_mapped_is_copied_around_and_leaves_no_fd_open():
+    """A segment the loader opens but cannot map (here: empty, so there is nothing to map; in
+    life, an address-space limit) is treated as evicted: the bytes are stored, and the fd it
+    opened through /proc is closed, not left to the loader's exit."""
+    from overmind.shared.memfd import Segment
+    from overmind.shared.reductions import DEDUP_MIN_BYTES
+    from overmind.warm import dedup
+
+    segment = Segment.create("unmappable", 0)
+    segment.seal()
+    st = os.fstat(segment.fd)
+    digest = "ab" * 16
+    index = {"keys": ["k" * 64], "handles": [[[segment.fd, 0, st.st_dev, st.st_ino]]],
+             "regions": [[digest, DEDUP_MIN_BYTES, 0, st.st_dev, st.st_ino, 0]]}
+
+    def opened() -> int:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # listdir's own, closed since
+                pass
+        return sum("overmind:unmappable" in link for link in links)
+
+    store = dedup.SegmentContents(index, os.getpid())
+    try:
+        before = opened()
+        assert store.find(bytes.fromhex(digest), DEDUP_MIN_BYTES) is None
+        assert opened() == before, "the fd opened through /proc was left open"
+        assert store.fds == [] and store.holders == []
+    finally:
+        store.close()
+        segment.close()

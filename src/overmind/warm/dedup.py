@@ -179,8 +179,12 @@ class SegmentContents:
             # what it claims to be)
             segment = Segment.open_proc(self._server_pid, handle[0], handle[1], f"{key[:12]}.shared",
                                         identity=(dev, ino))
-            return segment.fd, handle[1], segment.map_private()
-        except (OSError, ValueError, TypeError) as err:  # evicted since, or /proc refused: copy instead
+            try:
+                return segment.fd, handle[1], segment.map_private()
+            except BaseException:
+                segment.close()
+                raise
+        except (OSError, ValueError, TypeError) as err:  # evicted since, /proc refused, unmappable: copy instead
             logger.debug("segment %d:%d of %s not opened: %s", dev, ino, key[:16], err)
             self._unavailable.add((dev, ino))
             return None
