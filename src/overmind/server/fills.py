@@ -199,6 +199,12 @@ class Fill:
         self.expected = 0
         self.original_seconds = 0.0  # what the loader's call of the original took
 
+    @property
+    def warm_loader(self) -> bool:
+        """Its loader runs, forked from a warm interpreter: it does what a plain load does, its
+        imports done (Note [Joining a fill]); not one still to fork, nor a fresh interpreter."""
+        return self.pid != 0 and not self.fresh
+
 
 @dataclass
 class Admission:
@@ -462,7 +468,7 @@ class Fills:
         if progress is None:
             with self.lock:
                 fill = self.fills.get(key)
-                running = fill is not None and fill.pid != 0 and not fill.fresh
+                running = fill is not None and fill.warm_loader
                 doing = "has begun to pack" if running and fill.packing_since else "runs the original"
             if running:  # with a head start and its imports done
                 logger.info("pid %d joins the fill of %s: its loader %s, against a plain load of %.2fs", pid,
@@ -488,7 +494,7 @@ class Fills:
         with self.lock:
             began = fill.packing_since > since
             reported = fill.packing_since and fill.reported_at > since and fill.written
-            original = not fill.packing_since and fill.pid != 0 and not fill.fresh
+            original = fill.warm_loader and not fill.packing_since
         if not (began or reported):
             if first and original and plain:  # a plain load's time at normal priority: close to its end
                 logger.info("pid %d waits once more for the fill of %s: its loader still runs the original",
