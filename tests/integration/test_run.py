@@ -62,7 +62,7 @@ def _wait_warm(server, timeout: float = 120) -> None:
         if any(z["ready"] for z in server.status()["interpreters"]):
             return
         time.sleep(0.1)
-    raise AssertionError(f"no warm interpreter after {timeout}s: {server.status()['loaders']}")
+    raise AssertionError(f"no warm interpreter after {timeout}s: {server.status()['interpreters']}")
 
 
 def _curve(server, script: Path, env: dict, runs: int = 3) -> list[tuple[bool, dict]]:

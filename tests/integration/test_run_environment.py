@@ -200,6 +200,38 @@ def test_a_setting_of_the_users_shell_reaches_the_interpreter_of_a_server_its_fi
         shutil.rmtree(runtime, ignore_errors=True)
 
 
+def test_the_server_a_first_run_autostarts_starts_that_runs_interpreter_at_once_and_no_run_sees_how(tmp_path):
+    """Note [The server a first run starts prepares its interpreter] in overmind.server.daemon: the
+    server that run 1 starts starts run 1's warm interpreter as it starts (this run 1 ends before
+    it could report anything), run 2 forks from that one interpreter, and the variable that named
+    it reaches neither run."""
+    from overmind.shared.config import PREPARE_VARIABLE
+    from ..conftest import child_env
+
+    script = tmp_path / "named.py"
+    script.write_text(f"import os\nprint(os.environ.get({PREPARE_VARIABLE!r}))\n")
+    runtime = Path(tempfile.mkdtemp(prefix="om-env-first-", dir="/tmp"))
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime))
+    server = _Autostarted(env)
+    try:
+        first = _run(server, str(script), env=env, cwd=tmp_path)  # no server: starts one, runs plainly
+        assert first.returncode == 0 and first.stdout == "None\n", first.stderr[-3000:]
+        deadline = time.monotonic() + 60
+        while not (runtime / "server.sock").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _wait_warm(server)
+        second = _run(server, str(script), env=env, cwd=tmp_path)
+        assert second.returncode == 0 and second.stdout == "None\n", second.stderr[-3000:]
+        assert _runs(server) == 1, server.log()[-3000:]  # forked
+        lines = server.log().splitlines()
+        started = [line for line in lines if "started warm interpreter" in line]
+        assert len(started) == 1 and "0 modules to import" in started[0], "\n".join(lines[-40:])
+    finally:
+        subprocess.run([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=env, capture_output=True,
+                       timeout=60)
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
 READ_ENV = """
 import os
 

@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
             from overmind.shared.connect import start_server
 
             try:
-                start_server(Config.from_env(), wait=False)
+                start_server(Config.from_env(), wait=False, prepare=python)
             except ConfigError as err:
                 print(f"overmind run: {err}; running plainly, no server started", file=sys.stderr)
     else:

@@ -33,8 +33,8 @@ from typing import Optional
 
 from overmind import __version__
 from overmind.shared import protocol as P
-from overmind.shared.config import (LOG_FORMAT, Config, ConfigError, ensure_private_dir, open_runtime_file,
-                                    read_runtime_file, write_runtime_file)
+from overmind.shared.config import (LOG_FORMAT, PREPARE_VARIABLE, Config, ConfigError, ensure_private_dir,
+                                    open_runtime_file, read_runtime_file, write_runtime_file)
 from overmind.server.loads import MAX_TEXT, Loads, check_modules, check_request, reply_error
 from overmind.server.options import parse as parse_options
 from overmind.server.pool import WarmPool, LoadFailure, context_from_wire, run_from_wire
@@ -45,7 +45,7 @@ from overmind.server.settle import Settler
 from overmind.server.state import StateKeeper
 from overmind.server.warm_process import RunRefused
 from overmind.shared.compiled import packages_from_wire
-from overmind.shared.contexts import environment_from_wire
+from overmind.shared.contexts import Context, environment_from_wire
 
 logger = logging.getLogger("overmind.server.daemon")
 
@@ -106,6 +106,7 @@ class Server:
         self.restore = Restore(config, self.registry, self.loads, self.state, self.stopping)
         # Note [Settling file segments] in overmind.server.settle
         self.settler = Settler(self.registry, config.settle_after, self.stopping, config.keep_file_pages)
+        self.prepare_python = ""  # Note [The server a first run starts prepares its interpreter]
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 
@@ -135,11 +136,37 @@ class Server:
         write_runtime_file(self.config.pid_path, f"{os.getpid()}\n")
         # Only now, holding the instance lock: one server per runtime directory, so one writer per state file.
         state = self.state.open(check_request, context_from_wire, check_modules)
+        if self.prepare_python:  # after the state: the interpreter imports what its lineage learned
+            self._prepare_first_run(self.prepare_python)
         threading.Thread(target=self.state.run, args=(self.stopping,), daemon=True, name="overmind-state").start()
         threading.Thread(target=self.settler.run, daemon=True, name="overmind-settle").start()
         threading.Thread(target=self.pool.watch_notices, args=(self.stopping,), daemon=True,
                          name="overmind-notices").start()
         self.restore.start(state)
+
+    # Note [The server a first run starts prepares its interpreter]
+    # An ``overmind run`` that finds no server starts one and runs plainly (Note [Never worse than
+    # plain python] in overmind.frontend.run); the fills its loads start fork from the context's
+    # warm interpreter, which imports what the run imports as the run reports it (Note [The first
+    # run teaches] in overmind.client.first_run.sitecustomize). Started by that report, once this
+    # server listened, the interpreter began 0.25-0.33 s after the run's first line and finished
+    # the ControlNet script's imports 0.55-0.85 s after the run did (users' venv, 2 cores), so
+    # the run's first fill waited that long for a fork and its run 2, started as run 1 exited,
+    # loaded the pipeline plainly in about half the rounds; with a server already running (which
+    # starts the interpreter on the run's refused Run), run 2 hit every load. So the front end
+    # names the run's interpreter in PREPARE_VARIABLE, and this server starts the warm interpreter
+    # of that context as it starts, under its own environment, which is the run's. From a thread,
+    # as for a client's Prepare: spawning blocks the spawning thread's signals for a moment.
+    def _prepare_first_run(self, python: str) -> None:
+        env = dict(os.environ)
+        try:
+            context = Context.from_wire({"python": python, "env": env})
+        except ValueError as err:  # its run goes on plainly; a later one asks again
+            logger.warning("not starting a warm interpreter for %s=%s: %s", PREPARE_VARIABLE, python, err)
+            return
+        logger.info("starting the warm interpreter of the `overmind run` that started this server")
+        threading.Thread(target=self.pool.prepare, args=(context,), kwargs={"env": env}, daemon=True,
+                         name="overmind-prepare").start()
 
     def _bind(self) -> None:
         """Listen on a new socket file at the socket path (replacing whatever is there)."""
@@ -483,6 +510,7 @@ def _daemonize(ready_write: int) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    prepare = os.environ.pop(PREPARE_VARIABLE, "")  # never inherited by an interpreter, a loader or a run
     args, env = parse_options(argv)  # each flag in its OVERMIND_* variable's place (overmind.server.options)
     _clean_signals()  # Note [A server's signals are its own]
     from overmind.shared.config import default_runtime_dir
@@ -525,6 +553,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         logger.warning("%s", note)
     _limit_malloc_arenas()
     server = Server(config)
+    server.prepare_python = prepare
     try:
         server.startup()
     except (ConfigError, OSError) as err:

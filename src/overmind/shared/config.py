@@ -70,7 +70,7 @@ __all__ = ["Config", "ConfigError", "default_runtime_dir", "default_state_dir", 
            "open_runtime_file",
            "write_runtime_file", "read_runtime_file", "patching_disabled", "prestart_enabled",
            "extra_patch_points", "flag", "selecting_environment", "ENV_PREFIXES", "ENV_NAMES", "FLAG_SPELLINGS",
-           "LOG_LEVELS", "LOG_FORMAT", "COLD_MODES"]
+           "LOG_LEVELS", "LOG_FORMAT", "COLD_MODES", "PREPARE_VARIABLE"]
 
 # Environment a loader inherits from the client (and that selects its warm interpreter).
 ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "CUDA_", "NVIDIA_", "TORCH_", "PYTORCH_",
@@ -82,6 +82,11 @@ ENV_NAMES = ("HOME", "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYT
              "PYTHONTRACEMALLOC", "PYTHONMALLOC", "PYTHONMALLOCSTATS", "PYTHONWARNDEFAULTENCODING",
              "PYTHONNODEBUGRANGES", "PYTHONINSPECT", "PYTHONPROFILEIMPORTTIME", "PYTHONCASEOK", "PYTHONEXECUTABLE",
              "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONCOERCECLOCALE")
+
+# Set by ``overmind run`` on a server it starts, not by users: the run's interpreter, whose warm
+# interpreter that server starts as it starts (Note [The server a first run starts prepares its
+# interpreter] in overmind.server.daemon), which takes it out of its environment.
+PREPARE_VARIABLE = "OVERMIND_PREPARE_PYTHON"
 
 # Note [Environment that selects an interpreter]
 # A warm interpreter (overmind.warm.interpreter) imported its modules under its own environment, so it

@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from overmind import __version__
-from overmind.shared.config import Config, ensure_private_dir, open_runtime_file
+from overmind.shared.config import PREPARE_VARIABLE, Config, ensure_private_dir, open_runtime_file
 
 if TYPE_CHECKING:
     from overmind.shared import protocol as P
@@ -91,7 +91,8 @@ def _server_command(config: Config) -> tuple[list[str], dict]:
             dict(os.environ, OVERMIND_RUNTIME_DIR=str(config.runtime_dir)))
 
 
-def start_server(config: Config, timeout: float = START_TIMEOUT, wait: bool = True) -> None:
+def start_server(config: Config, timeout: float = START_TIMEOUT, wait: bool = True, prepare: Optional[str] = None
+                 ) -> None:
     """Start ``overmind-server --daemon`` unless one is up. Racing clients: the first starts it
     (under an flock), the others wait on the lock and then find it listening. A server that
     runs but whose socket is gone is waited for (it binds a new one, Note [A lost socket is
@@ -99,9 +100,14 @@ def start_server(config: Config, timeout: float = START_TIMEOUT, wait: bool = Tr
 
     ``wait=False`` (``overmind run`` going plain): start it for next time, detached, and return
     at once; a second server started this way finds the first holding the runtime directory
-    and leaves (Note [One server per runtime directory] in overmind.server.daemon)."""
+    and leaves (Note [One server per runtime directory] in overmind.server.daemon). ``prepare``:
+    the run's interpreter, whose warm interpreter the server starts as it starts (Note [The
+    server a first run starts prepares its interpreter] in overmind.server.daemon)."""
     if not wait:
-        _start_detached(*_server_command(config))
+        argv, env = _server_command(config)
+        if prepare:
+            env[PREPARE_VARIABLE] = os.path.abspath(prepare)
+        _start_detached(argv, env)
         return
     ensure_private_dir(config.runtime_dir)
     lock = open_runtime_file(config.lock_path)

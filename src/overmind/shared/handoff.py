@@ -63,7 +63,7 @@ def _hand_off(python: str, spec: RunSpec, config: Config) -> tuple[socket.socket
         sock, _, _ = handshake(config, "run")
     except (FileNotFoundError, ConnectionRefusedError):
         if config.autostart and not server_holding(config):
-            start_server(config, wait=False)
+            start_server(config, wait=False, prepare=python)
         return None
     except (OSError, P.ProtocolError, P.RemoteError, EOFError):
         return None
