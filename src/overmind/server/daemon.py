@@ -156,7 +156,12 @@ class Server:
     # starts the interpreter on the run's refused Run), run 2 hit every load. So the front end
     # names the run's interpreter in PREPARE_VARIABLE, and this server starts the warm interpreter
     # of that context as it starts, under its own environment, which is the run's. From a thread,
-    # as for a client's Prepare: spawning blocks the spawning thread's signals for a moment.
+    # as for a client's Prepare: spawning blocks the spawning thread's signals for a moment. The
+    # interpreter now starts 0.10-0.16 s after the run's first line, and run 2 hit all 4 models in
+    # 9 rounds of 12 (6 of ``overmind-bench --scenarios warmup_curve --curve-scripts controlnet
+    # --curve-modes run --imports pandas``, 2 each of ``benchmarks/real_envs.sh users``,
+    # ``many-cpus`` and ``minimal``); the lag left is the interpreter's own import of diffusers'
+    # autoencoders (3 s of one import, which a fill's fork waits out), 0.3-0.8 s behind the run.
     def _prepare_first_run(self, python: str) -> None:
         env = dict(os.environ)
         try:
