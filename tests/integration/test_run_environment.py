@@ -232,6 +232,28 @@ def test_the_server_a_first_run_autostarts_starts_that_runs_interpreter_at_once_
         shutil.rmtree(runtime, ignore_errors=True)
 
 
+def test_a_server_stopped_while_the_interpreter_it_started_imports_logs_no_warning(tmp_path):
+    """Shutting down the server a first run started, before the warm interpreter it started for
+    that run is ready, ends that interpreter and the wait for it quietly."""
+    from ..conftest import child_env
+
+    runtime = Path(tempfile.mkdtemp(prefix="om-env-stop-", dir="/tmp"))
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime))
+    try:
+        first = _run(_Autostarted(env), "-c", "pass", env=env, cwd=tmp_path)  # no server: starts one
+        assert first.returncode == 0, first.stderr[-3000:]
+        deadline = time.monotonic() + 60
+        while not (runtime / "server.sock").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        subprocess.run([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=env, capture_output=True,
+                       timeout=60, check=True)
+        log = (runtime / "server.log").read_text()
+        assert "starting the warm interpreter" in log and "overmind-server stopped" in log, log[-3000:]
+        assert [line for line in log.splitlines() if " WARNING " in line] == [], log[-3000:]
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
 READ_ENV = """
 import os
 

@@ -80,6 +80,7 @@ class WarmPool:
         self.interpreters: "OrderedDict[str, WarmProcess]" = OrderedDict()
         self.lessons = Lessons()  # what each lineage learned (overmind.server.lessons)
         self.retired = 0
+        self.closed = False  # the server is stopping: close() was called
         self._cannot_fork: dict[str, int] = {}  # lineage -> interpreters retired as unable to fork
         # lineage -> the whole environment its last run or client gave: what an interpreter started
         # for a load imports under (Note [One interpreter per lineage]); never written to disk
@@ -200,6 +201,9 @@ class WarmPool:
             if packages:
                 self._learn_packages(context, packages)
         except Exception as err:  # a later load retries and reports properly
+            if self.closed:  # the server stops: close() ended the interpreter this waited for
+                return logger.debug("preparing a warm interpreter for context %s ended by shutdown: %s",
+                                    context.key, err)
             logger.warning("preparing a warm interpreter for context %s failed: %s", context.key, err)
 
     def start_loader(self, key: str, context: Context, cwd: str, sys_path: list, blob: bytes, modules: list = ()
@@ -367,6 +371,7 @@ class WarmPool:
                  "idle": now - z.last_used, "jobs": z.jobs, "runs": z.runs} for k, z in interpreters]
 
     def close(self) -> None:
+        self.closed = True
         with self.lock:
             interpreters = list(self.interpreters.values())
             self.interpreters.clear()
