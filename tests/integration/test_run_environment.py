@@ -254,6 +254,56 @@ def test_a_server_stopped_while_the_interpreter_it_started_imports_logs_no_warni
         shutil.rmtree(runtime, ignore_errors=True)
 
 
+def test_a_learned_module_whose_import_failed_fails_later_imports_as_plain_python_does(tmp_path):
+    """Note [A failed import is not a refusal] in overmind.warm.interpreter: a report named a
+    module whose import failed (it was in sys.modules while it imported); the interpreter's
+    later import of a module that catches that ImportError succeeds, as in plain python, rather
+    than failing part-way after registering itself, which killed the runs forked from it."""
+    from overmind.shared import protocol as P
+    from overmind.shared.config import Config, selecting_environment
+    from overmind.shared.connect import Connection
+
+    tag = os.getpid()
+    registry, missing, guarded = (f"overmind_test_{what}_{tag}" for what in ("registry", "needs_more", "guarded"))
+    sources = {
+        registry: "REGISTERED = set()\n",
+        missing: "raise ImportError('needs a package that is not installed')\n",
+        guarded: (f"import {registry} as registry\nassert 'g' not in registry.REGISTERED, 'registered twice'\n"
+                  f"registry.REGISTERED.add('g')\ntry:\n    import {missing}\nexcept ImportError:\n"
+                  "    HAS = False\nelse:\n    HAS = True\n"),
+    }
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    for name, source in sources.items():
+        (purelib / f"{name}.py").write_text(source)
+        os.utime(purelib / f"{name}.py", (time.time() - 60, time.time() - 60))
+    script = tmp_path / "guarded.py"
+    script.write_text(f"import sys\nheld = {guarded!r} in sys.modules\nimport {guarded} as g\nprint(held, g.HAS)\n")
+    runtime = Path(tempfile.mkdtemp(prefix="om-env-failed-", dir="/tmp"))
+    server = ServerProcess(runtime)
+    try:
+        _run(server, "-c", "pass")  # refused: starts the warm interpreter
+        _wait_warm(server)
+        env = _env(server)
+        context = {"python": os.path.abspath(sys.executable), "env": selecting_environment(env),
+                   "cwd": str(tmp_path), "sys_path": list(sys.path)}
+        with Connection.open(Config.from_env(env), autostart=False) as conn:  # what such a report says
+            conn.simple(P.Prepare(context, modules=[missing, guarded]), P.Ok)
+        seen = []
+        deadline = time.monotonic() + 120
+        while not seen or seen[-1] != (True, "True False\n"):
+            assert time.monotonic() < deadline, f"never forked with {guarded} held: {seen}\n{server.log()[-3000:]}"
+            before = _runs(server)
+            proc = _run(server, str(script), env=env, cwd=tmp_path)
+            assert proc.returncode == 0 and proc.stdout.endswith(" False\n"), (proc.stderr[-3000:], seen)
+            seen.append((_runs(server) > before, proc.stdout))
+            time.sleep(0.3)
+    finally:
+        server.stop()
+        shutil.rmtree(runtime, ignore_errors=True)
+        for name in sources:
+            (purelib / f"{name}.py").unlink()
+
+
 READ_ENV = """
 import os
 

@@ -114,6 +114,7 @@ class Holdings:
         self.census = ThreadCensus()  # Note [Forking only past what a fork keeps]
         self.learned: list[str] = []  # what runs imported that we did not hold: for our successor
         self.refused_modules: set[str] = set()
+        self.failed_modules: set[str] = set()  # Note [A failed import is not a refusal]
         self.tainted = False  # the last import_ started a thread nobody vouches for
         self.reads = Reads()  # Note [Settings an import read] in overmind.shared.import_env
         self.told: tuple[set, set] = (set(), set())  # the names and prefixes the server has heard of
@@ -124,7 +125,7 @@ class Holdings:
         done = []
         self.tainted = False
         for name in names:
-            if name in sys.modules or name in self.refused_modules:
+            if name in sys.modules or name in self.refused_modules or name in self.failed_modules:
                 continue
             self.reads.unbounded = ""
             failed, installed, before = None, False, set(sys.modules)
@@ -156,7 +157,10 @@ class Holdings:
                     logger.info("not importing %s: %s", name, failed)
                 elif failed is not None:
                     logger.debug("pre-import of %s failed: %s", name, failed)
-                self.refused_modules.add(name)
+                if culprits or isinstance(failed, Refused):
+                    self.refused_modules.add(name)
+                else:  # Note [A failed import is not a refusal]
+                    self.failed_modules.add(name)
                 if name in self.learned:
                     self.learned.remove(name)
                 continue
@@ -337,6 +341,7 @@ class WarmInterpreter:
     def _to_learn(self, names) -> None:
         self.compiles = self.compiles or INDUCTOR_USED in names  # the mark goes on as a name: overmind.shared.compiled
         new = [n for n in names if isinstance(n, str) and n not in sys.modules and n not in self.held.refused_modules
+               and n not in self.held.failed_modules
                and n not in self.to_learn]
         if not self.unforkable:  # Note [A tainted interpreter says so at once]: its successor learns them
             self.to_learn.extend(new)
@@ -508,6 +513,17 @@ def _yield_cpu() -> bool:
     except (OSError, AttributeError):
         return False
 
+
+# Note [A failed import is not a refusal]
+# A run reports the names in its sys.modules, and a module is there while it imports: a report
+# can name one whose import then failed, which the run's own code caught (transformers tries
+# torch.utils._cxx_pytree, which needs optree). The interpreter's import of that name fails too.
+# Kept out as a module that started a thread is, every later import of it here raised Refused,
+# a BaseException no `except ImportError` catches: torch._dynamo then failed part-way, after it
+# had registered its artifacts with torch's mega-cache, and a run forked from that interpreter
+# imported torch._dynamo again and died ("Artifact of type=pgo already registered", the LM's run 2
+# in `make test-slow`). So a failed import is only not tried again: later imports of it fail as
+# they do in plain python, where the code that catches that catches it.
 
 # Note [A failed import leaves no orphans]
 # A package whose import fails part-way (it imports a module kept out: Note [Threads libraries
