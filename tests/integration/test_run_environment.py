@@ -167,6 +167,17 @@ class _Autostarted:
         except OSError:
             return ""
 
+    def wait_listening(self, timeout: float = 60) -> None:
+        """Until the server the first run started (detached) listens."""
+        socket_path = Path(self.env["OVERMIND_RUNTIME_DIR"]) / "server.sock"
+        deadline = time.monotonic() + timeout
+        while not socket_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def shutdown(self, check: bool = False) -> None:
+        subprocess.run([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=self.env, capture_output=True,
+                       timeout=60, check=check)
+
 
 @pytest.mark.parametrize("patched", [False, True], ids=["plain script", "monkey_patch_all at its top"])
 def test_a_setting_of_the_users_shell_reaches_the_interpreter_of_a_server_its_first_run_autostarted(tmp_path, envlib,
@@ -188,15 +199,12 @@ def test_a_setting_of_the_users_shell_reaches_the_interpreter_of_a_server_its_fi
     try:
         first = _run(server, str(script), env=env, cwd=tmp_path)  # no server: starts one, runs plainly
         assert first.returncode == 0 and first.stdout == "False spicy []\n", first.stderr[-3000:]
-        deadline = time.monotonic() + 60
-        while not (runtime / "server.sock").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        server.wait_listening()
         runs = _until_warm_and_held(server, [str(script)], env, tmp_path,
                                     lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
         assert all(forked for forked, _ in runs), f"a run went plain on the way: {runs}\n{server.log()[-3000:]}"
     finally:
-        subprocess.run([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=env, capture_output=True,
-                       timeout=60)
+        server.shutdown()
         shutil.rmtree(runtime, ignore_errors=True)
 
 
@@ -216,9 +224,7 @@ def test_the_server_a_first_run_autostarts_starts_that_runs_interpreter_at_once_
     try:
         first = _run(server, str(script), env=env, cwd=tmp_path)  # no server: starts one, runs plainly
         assert first.returncode == 0 and first.stdout == "None\n", first.stderr[-3000:]
-        deadline = time.monotonic() + 60
-        while not (runtime / "server.sock").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        server.wait_listening()
         _wait_warm(server)
         second = _run(server, str(script), env=env, cwd=tmp_path)
         assert second.returncode == 0 and second.stdout == "None\n", second.stderr[-3000:]
@@ -227,8 +233,7 @@ def test_the_server_a_first_run_autostarts_starts_that_runs_interpreter_at_once_
         started = [line for line in lines if "started warm interpreter" in line]
         assert len(started) == 1 and "0 modules to import" in started[0], "\n".join(lines[-40:])
     finally:
-        subprocess.run([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=env, capture_output=True,
-                       timeout=60)
+        server.shutdown()
         shutil.rmtree(runtime, ignore_errors=True)
 
 
@@ -239,14 +244,12 @@ def test_a_server_stopped_while_the_interpreter_it_started_imports_logs_no_warni
 
     runtime = Path(tempfile.mkdtemp(prefix="om-env-stop-", dir="/tmp"))
     env = child_env(OVERMIND_RUNTIME_DIR=str(runtime))
+    server = _Autostarted(env)
     try:
-        first = _run(_Autostarted(env), "-c", "pass", env=env, cwd=tmp_path)  # no server: starts one
+        first = _run(server, "-c", "pass", env=env, cwd=tmp_path)  # no server: starts one
         assert first.returncode == 0, first.stderr[-3000:]
-        deadline = time.monotonic() + 60
-        while not (runtime / "server.sock").exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        subprocess.run([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=env, capture_output=True,
-                       timeout=60, check=True)
+        server.wait_listening()
+        server.shutdown(check=True)
         log = (runtime / "server.log").read_text()
         assert "starting the warm interpreter" in log and "overmind-server stopped" in log, log[-3000:]
         assert [line for line in log.splitlines() if " WARNING " in line] == [], log[-3000:]

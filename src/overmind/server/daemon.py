@@ -81,7 +81,7 @@ EXIT_ALREADY_RUNNING = 75  # systemd: RestartPreventExitStatus=75
 
 
 class Server:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, prepare_python: str = "") -> None:
         self.config = config
         self.registry = Registry(config.max_memory)
         self.uid = os.getuid()
@@ -106,7 +106,7 @@ class Server:
         self.restore = Restore(config, self.registry, self.loads, self.state, self.stopping)
         # Note [Settling file segments] in overmind.server.settle
         self.settler = Settler(self.registry, config.settle_after, self.stopping, config.keep_file_pages)
-        self.prepare_python = ""  # Note [The server a first run starts prepares its interpreter]
+        self.prepare_python = prepare_python  # Note [The server a first run starts prepares its interpreter]
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 
@@ -170,8 +170,7 @@ class Server:
             logger.warning("not starting a warm interpreter for %s=%s: %s", PREPARE_VARIABLE, python, err)
             return
         logger.info("starting the warm interpreter of the `overmind run` that started this server")
-        threading.Thread(target=self.pool.prepare, args=(context,), kwargs={"env": env}, daemon=True,
-                         name="overmind-prepare").start()
+        self.pool.prepare_soon(context, env)
 
     def _bind(self) -> None:
         """Listen on a new socket file at the socket path (replacing whatever is there)."""
@@ -557,8 +556,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for note in notes:
         logger.warning("%s", note)
     _limit_malloc_arenas()
-    server = Server(config)
-    server.prepare_python = prepare
+    server = Server(config, prepare)
     try:
         server.startup()
     except (ConfigError, OSError) as err:

@@ -224,7 +224,7 @@ class WarmPool:
                 job, pid = interpreter.start_job(key, blob, list(modules), sys_path, cwd)
                 fresh = bool(interpreter.unforkable)  # it said so as it took the job
                 if interpreter.unforkable and self._retire_unforkable(interpreter, interpreter.unforkable):
-                    self._prepare_soon(context, None)  # its successor keeps out what started the threads
+                    self.prepare_soon(context, None)  # its successor keeps out what started the threads
                 break
             except (OSError, EOFError, P.ProtocolError, P.RemoteError, RunRefused) as err:
                 logger.warning("warm interpreter %d could not start job %s: %s", interpreter.proc.pid, key[:16], err)
@@ -253,8 +253,9 @@ class WarmPool:
             logger.info("retiring warm interpreter %d (another imported under the same settings)", interpreter.proc.pid)
             interpreter.retire()
 
-    def _prepare_soon(self, context: Context, env: dict) -> None:
-        """``prepare`` in the background, for the next run after one that was refused (``env``: its own)."""
+    def prepare_soon(self, context: Context, env: dict | None) -> None:
+        """``prepare`` in the background, for the next run after one that was refused (``env``: its
+        own), or for the run that started this server (overmind.server.daemon)."""
         threading.Thread(target=self.prepare, args=(context,), kwargs={"env": env}, daemon=True,
                          name="overmind-prepare").start()
 
@@ -272,7 +273,7 @@ class WarmPool:
             if given_up:
                 raise RunRefused("this context's warm interpreters cannot fork (see the server log): runs go plain")
             if interpreter is None:
-                self._prepare_soon(context, spec.env)
+                self.prepare_soon(context, spec.env)
             raise RunRefused("no warm interpreter for this context yet; one is starting")
         try:
             pid = interpreter.fork_run(spec, fds)
@@ -284,7 +285,7 @@ class WarmPool:
                 self._rekey(base.lineage)
                 again = self.lessons.with_reads(base, spec.env)
                 if self._interpreter(again, create=False) is None:
-                    self._prepare_soon(again, spec.env)
+                    self.prepare_soon(again, spec.env)
                 raise RunRefused(f"{err.message} (Note [Settings an import read]); an interpreter imported "
                                  "under this run's environment is starting") from None
             if err.code != P.ErrorCode.NOT_FORKABLE:
@@ -292,7 +293,7 @@ class WarmPool:
             if not self._retire_unforkable(interpreter, err.message):
                 raise RunRefused(f"the warm interpreter cannot fork ({err.message}); this context's runs go "
                                  "plain until the server restarts") from None
-            self._prepare_soon(context, spec.env)
+            self.prepare_soon(context, spec.env)
             raise RunRefused(f"the warm interpreter cannot fork ({err.message}); a fresh one is starting") from None
         except (OSError, EOFError, P.ProtocolError) as err:
             self._retire(interpreter, str(err))
@@ -338,7 +339,7 @@ class WarmPool:
         (Note [A tainted interpreter says so at once] in overmind.warm.interpreter); never waits."""
         for interpreter in self.live():
             if self._said_unforkable(interpreter):
-                self._prepare_soon(interpreter.context, interpreter.start_env)
+                self.prepare_soon(interpreter.context, interpreter.start_env)
 
     def _said_unforkable(self, interpreter: WarmProcess) -> bool:
         """Retire ``interpreter`` if it said it cannot fork; True when its lineage may have a successor."""

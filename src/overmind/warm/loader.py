@@ -363,7 +363,8 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         P.send_message(job_sock, P.JobResult(job.key, sizes, slots, len(packed.segments) + len(store.fds),
                                              packed.nbytes, store.holders, meta),
                        packed.skeleton, fds=fds)
-        logger.debug("answered %s: %.2f s to its call (%d references), %.2f s in the original, %.2f s to pack",
+        logger.debug("answered %s: %.2f s to its call (%d references), %.2f s in the original, %.2f s to pack "
+                     "and answer",
                      job.key[:16], prepared - started, len(refs), original_seconds, time.monotonic() - loaded)
     except BaseException as err:  # reported to the client as a typed error with this traceback
         try:
