@@ -96,10 +96,14 @@ def test_a_file_segments_pages_stay_when_the_page_cache_is_dropped(runtime_dir, 
 
 def test_a_file_segment_the_page_cache_lost_is_settled_at_once(runtime_dir, models):
     with _filled(runtime_dir, models, "600", LEFT_TO_PAGE_CACHE) as (server, code, _):
-        assert server.wait_idle()["file_segments"]["settled"] == 0
-        lose_from_page_cache(models["lm"] / "model.safetensors")
+        if server.wait_idle()["file_segments"]["settled"] == 0:
+            lose_from_page_cache(models["lm"] / "model.safetensors")
+        # else the machine's own memory needs took the unmapped pages first (seen in CI while
+        # other tests filled the page cache): the same case, and the log below says so
         status = _status_until(server, lambda s: s["file_segments"]["settled"] >= 1)
         assert status["file_segments"]["settled"] >= 1 and status["file_segments"]["bytes"] == 0, (status["file_segments"], server.log()[-3000:])
+        # settle_after 600 s: only the loss can have started the copy
+        assert "the page cache lost it" in server.log(), server.log()[-3000:]
         assert last_json(server.run(code)) == {"equal": True, "maps_file": False, "hit": True}
 
 
