@@ -32,7 +32,6 @@ import functools
 import logging
 import os
 import sys
-import threading
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up budget)
 
 from overmind.shared import patching
@@ -105,7 +104,9 @@ def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod
     if not _warmed and "torch" in sys.modules and _prestart_enabled():
         # torch just became importable: overlap our torch-side imports with the script's.
         _warmed = True
-        threading.Thread(target=_warm_up, daemon=True, name="overmind-warm-up").start()
+        from overmind.shared import teardown
+
+        teardown.start_thread(_warm_up, "overmind-warm-up")  # Note [Our threads end before the teardown]
     if str(point) in _AOTI_POINTS:  # Note [AOTInductor packages are handed over] in overmind.shared.compiled
         @functools.wraps(original)
         def aoti_wrapper(*args, **kwargs):
@@ -200,7 +201,9 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
         teardown.leave_quickly()  # Note [The drop-in leaves quickly]
     if prestart_enabled():
-        threading.Thread(target=_prepare, daemon=True, name="overmind-prepare").start()
+        from overmind.shared import teardown
+
+        teardown.start_thread(_prepare, "overmind-prepare")  # Note [Our threads end before the teardown]
 
 
 def _prepare() -> None:

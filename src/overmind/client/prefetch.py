@@ -78,6 +78,9 @@ import os
 import sys
 import threading
 import time
+
+from overmind.shared import teardown
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import mmap
@@ -98,6 +101,7 @@ LEFTOVER_SECONDS = 60.0
 _lock = threading.Lock()
 _prepared: dict[tuple[int, int, int], list] = {}  # (st_dev, st_ino, size) -> mappings not yet used
 _first_load = threading.Event()
+teardown.wake_at_exit(_first_load)  # Note [Our threads end before the teardown] in overmind.shared.teardown
 # segments this process prepared, those a load used, and bytes of lost files it read back
 stats = {"prepared": 0, "used": 0, "read_back": 0}
 _program: "str | None" = None
@@ -203,7 +207,7 @@ def prepare(server_pid: int, entries: list, budget: int) -> int:
     unpopulated: list = []  # (segment identity, mapping): mapped, page tables not yet filled
     for key, handle in ((key, handle) for key, handles in entries for handle in handles if handle is not None):
         fd, size, dev, ino = handle
-        if done + size > budget:
+        if done + size > budget or teardown.exiting():
             break
         mapping = None
         try:
@@ -270,8 +274,7 @@ def background(config: "Config", server_pid: int, entries: list) -> None:
                 report_imports(conn)
     except Exception as err:  # noqa: BLE001 - a head start only; the loads do it all themselves
         logger.debug("prefetch stopped: %s", err)
-    if _prepared:
-        time.sleep(LEFTOVER_SECONDS)
+    if _prepared and not teardown.pause(LEFTOVER_SECONDS):
         close_leftovers()
 
 
@@ -296,9 +299,11 @@ def report_imports(conn) -> None:
     count, quiet = -1, 0
     while time.monotonic() < deadline and quiet < REPORT_QUIET:
         if not _first_load.is_set():
-            _first_load.wait(REPORT_INTERVAL)  # wakes at once as the first load begins
-        else:
-            time.sleep(REPORT_INTERVAL)
+            _first_load.wait(REPORT_INTERVAL)  # wakes at once as the first load begins, or the process leaves
+        elif teardown.pause(REPORT_INTERVAL):
+            return
+        if teardown.exiting():
+            return
         if len(sys.modules) != count:
             count, quiet = len(sys.modules), 0
             new = new_module_names(seen)

@@ -2,6 +2,9 @@
 
     teardown.leave_quickly()            # monkey_patch_all(): Note [The drop-in leaves quickly]
     teardown.flush_left_open(skip_ids)  # overmind.warm.script: Note [Output is never lost at exit]
+    teardown.start_thread(loop, "overmind-x")  # Note [Our threads end before the teardown]
+    teardown.wake_at_exit(event)        # an event such a thread waits on: set as the process leaves
+    if teardown.pause(0.25): return     # in such a thread: sleep, True once the process leaves
 
 Note [The drop-in leaves quickly]
 A python that imported torch, diffusers and transformers spends a second or more between the
@@ -35,6 +38,20 @@ Skipping (part of) the teardown skips where a fresh python closes what is still 
 every text file is flushed, then every buffered binary file (text first: its pending text
 lands in its buffer). Objects in the permanent generation are not looked at: in a run forked
 from a warm interpreter they are the interpreter's, not the run's.
+
+Note [Our threads end before the teardown]
+The client's background threads (the drop-in's prefetch and import reports, the first run's
+import reports) are daemon threads that sleep and wake on their own. A daemon thread that wakes
+while the interpreter finalizes reaches for the GIL through thread states the teardown has
+freed already: CPython 3.9-3.13 can then write into freed memory (python/cpython#110052,
+fixed in 3.14 by #124878). A client run in the test suite aborted so at exit, once, with
+"malloc_consolidate(): invalid chunk size" after printing its correct result. So every such
+thread is started by ``start_thread``, whose atexit callback (registered as the first starts:
+at ``monkey_patch_all()``, or before the first run's script, so it runs after the script's own
+callbacks) wakes each (``pause`` and the events of ``wake_at_exit``) and joins them, for
+JOIN_FOR seconds in all: a woken loop ends in microseconds, a request to the server in a
+millisecond; only a thread inside a long system call (reading back a lost model file) can
+outlast the bound, and the process then exits as it would have before.
 """
 
 from __future__ import annotations
@@ -43,12 +60,78 @@ import atexit
 import gc
 import io
 import itertools
+import os
 import threading
+import time
 
-__all__ = ["exit_handled_elsewhere", "flush_left_open", "leave_quickly"]
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (monkey_patch_all()'s start-up)
+if TYPE_CHECKING:
+    from typing import Callable
+
+__all__ = ["exit_handled_elsewhere", "exiting", "flush_left_open", "leave_quickly", "pause", "start_thread",
+           "wake_at_exit"]
+
+JOIN_FOR = 0.25  # seconds the process waits at exit for its background threads, all together
 
 _registered = False
 _lock = threading.Lock()
+_exiting = threading.Event()
+_threads: list[threading.Thread] = []  # this process's, started by start_thread
+_wake: list[threading.Event] = []  # set as the process leaves (kept across a fork: the objects stay)
+_threads_registered = False  # the atexit callback that ends them
+
+
+def start_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """Start ``target`` on a daemon thread that ends before the interpreter's teardown (Note [Our
+    threads end before the teardown]): it must return soon once ``exiting()``."""
+    global _threads_registered
+    thread = threading.Thread(target=target, daemon=True, name=name)
+    with _lock:
+        if not _threads_registered:
+            atexit.register(_end_threads)
+            _threads_registered = True
+        _threads.append(thread)
+    thread.start()
+    return thread
+
+
+def wake_at_exit(event: threading.Event) -> None:
+    """``event``, which a thread of ``start_thread`` waits on, is set as the process leaves."""
+    with _lock:
+        _wake.append(event)
+
+
+def exiting() -> bool:
+    """Is the process leaving (its atexit callbacks run)? A background thread's loops stop then."""
+    return _exiting.is_set()
+
+
+def pause(seconds: float) -> bool:
+    """Sleep ``seconds`` on a background thread, less if the process leaves; True if it does."""
+    return _exiting.wait(seconds)
+
+
+def _end_threads() -> None:
+    _exiting.set()
+    with _lock:
+        threads, wake = list(_threads), list(_wake)
+    for event in wake:
+        event.set()
+    deadline = time.monotonic() + JOIN_FOR
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's threads, and leaves when it leaves."""
+    global _lock, _exiting
+    _lock = threading.Lock()
+    _exiting = threading.Event()
+    _threads.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def flush_left_open(skip: set = frozenset()) -> None:

@@ -15,8 +15,9 @@ is imported in our place, and a daemon thread tells the server every REPORT_INTE
 installed modules are new (``Prepare.modules``; Note [Warm interpreters learn] in
 overmind.warm.interpreter), until nothing new came for QUIET_AFTER seconds, and once more at exit,
 as a forked run's report does. What stays different from plain python: that thread while it
-lives, a ``sitecustomize`` module where there was none, and an ``atexit`` callback. ``-I``,
-``-E`` and ``-S`` runs never import this file, and learn nothing.
+lives (ended before the interpreter's teardown), a ``sitecustomize`` module where there was
+none, and two ``atexit`` callbacks. ``-I``, ``-E`` and ``-S`` runs never import this file, and
+learn nothing.
 """
 
 import os
@@ -96,7 +97,8 @@ def _teach() -> None:
         quiet_since = time.monotonic()
         count = -1
         while time.monotonic() - quiet_since < QUIET_AFTER:
-            time.sleep(REPORT_INTERVAL)
+            if teardown.pause(REPORT_INTERVAL):
+                return  # at_exit reports the rest
             if len(sys.modules) != count:
                 try:
                     if report():
@@ -116,8 +118,11 @@ def _teach() -> None:
 
     import atexit
 
-    atexit.register(at_exit)
-    threading.Thread(target=loop, daemon=True, name="overmind-first-run").start()
+    from overmind.shared import teardown
+
+    atexit.register(at_exit)  # runs after teardown's own, which ends the thread first
+    # Note [Our threads end before the teardown] in overmind.shared.teardown
+    teardown.start_thread(loop, "overmind-first-run")
 
 
 if _restore():
