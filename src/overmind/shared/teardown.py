@@ -51,7 +51,9 @@ at ``monkey_patch_all()``, or before the first run's script, so it runs after th
 callbacks) wakes each (``pause`` and the events of ``wake_at_exit``) and joins them, for
 JOIN_FOR seconds in all: a woken loop ends in microseconds, a request to the server in a
 millisecond; only a thread inside a long system call (reading back a lost model file) can
-outlast the bound, and the process then exits as it would have before.
+outlast the bound, and the process then exits as it would have before. The price is paid by a
+script that leaves as soon as it called ``monkey_patch_all()``: its exit waits for that
+thread's own imports (37 ms here); a script that imports torch exits 0.2-0.6 ms later.
 """
 
 from __future__ import annotations
