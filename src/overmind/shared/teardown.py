@@ -92,8 +92,9 @@ def start_thread(target: Callable[[], None], name: str) -> threading.Thread:
         if not _threads_registered:
             atexit.register(_end_threads)
             _threads_registered = True
+    thread.start()  # first: a thread that could not start is never joined
+    with _lock:
         _threads.append(thread)
-    thread.start()
     return thread
 
 
