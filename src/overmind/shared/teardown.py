@@ -43,8 +43,8 @@ Note [Our threads end before the teardown]
 The client's background threads (the drop-in's prefetch and import reports, the first run's
 import reports) are daemon threads that sleep and wake on their own. A daemon thread that wakes
 while the interpreter finalizes reaches for the GIL through thread states the teardown has
-freed already: CPython 3.9-3.13 can then write into freed memory (python/cpython#110052,
-fixed in 3.14 by #124878). A client run in the test suite aborted so at exit, once, with
+freed already: CPython can then write into freed memory (python/cpython#110052, reproduced on
+3.9 to 3.12; #124878 reworked how thread states are freed, for 3.14). A client run in the test suite aborted so at exit, once, with
 "malloc_consolidate(): invalid chunk size" after printing its correct result. So every such
 thread is started by ``start_thread``, whose atexit callback (registered as the first starts:
 at ``monkey_patch_all()``, or before the first run's script, so it runs after the script's own
