@@ -196,13 +196,11 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
         warnings.warn(f"overmind: patching the loaders failed ({type(err).__name__}: {err}); running without "
                       "the cache", RuntimeWarning, stacklevel=2)
         return
-    if quick_exit_enabled():
-        from overmind.shared import teardown
+    from overmind.shared import teardown
 
+    if quick_exit_enabled():
         teardown.leave_quickly()  # Note [The drop-in leaves quickly]
     if prestart_enabled():
-        from overmind.shared import teardown
-
         teardown.start_thread(_prepare, "overmind-prepare")  # Note [Our threads end before the teardown]
 
 

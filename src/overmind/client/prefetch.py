@@ -300,8 +300,8 @@ def report_imports(conn) -> None:
     while time.monotonic() < deadline and quiet < REPORT_QUIET:
         if not _first_load.is_set():
             _first_load.wait(REPORT_INTERVAL)  # wakes at once as the first load begins, or the process leaves
-        elif teardown.pause(REPORT_INTERVAL):
-            return
+        else:
+            teardown.pause(REPORT_INTERVAL)
         if teardown.exiting():
             return
         if len(sys.modules) != count:
