@@ -116,6 +116,7 @@ FILL_NICE = 10  # Note [Cold fills yield to their caller]: where SCHED_IDLE coul
 CALLER_POLL = 0.1  # seconds between two looks at the caller's CPU time
 CALLER_QUIET = 2  # polls in a row under half a core: its load is over
 MAX_RENEWALS = 2  # Note [Joining a fill]
+JOIN_FLOOR = 0.1  # seconds a join waits at least: Note [Joining a fill]
 LATE_REPORT = 0.25  # seconds without a progress report (one comes every 0.1 s) after which a pack's pace is its pace to now
 
 # Note [Joining a fill]
@@ -159,6 +160,15 @@ LATE_REPORT = 0.25  # seconds without a progress report (one comes every 0.1 s) 
 # joined the pipeline's fill as its loader was forked, for the 0.21 s a plain load took; its pack
 # began 58-107 ms after the caller gave up, and it was filed 0.22 s after, when the caller's plain
 # load of 1.9 GB of private memory ended. The bound stays 1 + MAX_RENEWALS plain loads' time.
+# Two more, from the ControlNet runs 2 that still loaded something plainly (users' venv, 2 cores):
+# - A fill that holds its load slot, its references filed, is joined as one whose loader runs
+#   the original: all that is left before it does is the fork of that loader, 8-50 ms. Run 2
+#   asked for the pipeline 8 ms before its loader was forked, and loaded it plainly.
+# - A join waits at least JOIN_FLOOR. Below that, a fill's fixed steps (the loader's fork, its
+#   answer, the filing, each a few ms to tens of ms on a busy machine) are most of its time, and
+#   a tiny plain figure says nothing of how close it is: run 2 joined the VAE's fill against a
+#   plain load of 0.03 s, twice, and gave up 1 ms before it was filed. A wrong guess then costs
+#   at most 1 + MAX_RENEWALS times JOIN_FLOOR.
 #
 # A fill that writes its result into memory the kernel must hand out fresh is slow where
 # fresh memory is (benchmarks/fresh_memory.py: a guest that reports free memory back to its
@@ -187,6 +197,7 @@ class Fill:
             self.wanted.set()
         self.caller_done = threading.Event()  # the caller said its own load of the key returned
         self.caller_imported: list = []  # what that load imported: its loader's interpreter imports them first
+        self.slotted = False  # it holds a load slot, its references filed: its loader is being forked
         self.pid = 0  # its loader, once forked
         self.forked_at = 0.0
         self.fresh = False  # its loader is a fresh interpreter (Note [A fill never waits for a fork])
@@ -204,6 +215,12 @@ class Fill:
         """Its loader runs, forked from a warm interpreter: it does what a plain load does, its
         imports done (Note [Joining a fill]); not one still to fork, nor a fresh interpreter."""
         return self.pid != 0 and not self.fresh
+
+    @property
+    def about_to_run(self) -> bool:
+        """Nothing is left before its loader runs the original but the loader's fork (Note
+        [Joining a fill]); it may yet turn out a fresh interpreter."""
+        return self.slotted and self.pid == 0
 
 
 @dataclass
@@ -378,6 +395,11 @@ class Fills:
 
     # -- its loader: Note [Cold fills yield to their caller] ----------------------------------
 
+    def slot_taken(self, fill: Fill) -> None:
+        """``fill`` holds a load slot, its references filed: its loader is being forked."""
+        with self.lock:
+            fill.slotted = True
+
     def forked(self, fill: Fill, pid: int, fresh: bool = False) -> None:
         """``fill``'s loader is process ``pid`` (``fresh``: an interpreter of its own, which imports
         first): it yields if nobody waits for the fill."""
@@ -468,12 +490,13 @@ class Fills:
         if progress is None:
             with self.lock:
                 fill = self.fills.get(key)
-                running = fill is not None and fill.warm_loader
-                doing = "has begun to pack" if running and fill.packing_since else "runs the original"
+                running = fill is not None and (fill.warm_loader or fill.about_to_run)
+                doing = ("is being forked" if running and fill.about_to_run else
+                         "has begun to pack" if running and fill.packing_since else "runs the original")
             if running:  # with a head start and its imports done
                 logger.info("pid %d joins the fill of %s: its loader %s, against a plain load of %.2fs", pid,
                             key[:16], doing, plain)
-                return plain
+                return max(plain, JOIN_FLOOR)
             logger.info("pid %d loads %s plainly: its fill has %s", pid, key[:16],
                         "a fresh interpreter for loader, still importing" if fill is not None and fill.fresh
                         else "no loader yet")
@@ -482,11 +505,11 @@ class Fills:
         weighed = "the last plain load"
         if fill.original_seconds and fill.original_seconds < plain:  # the first caller's imports are done here too
             plain, weighed = fill.original_seconds, "the loader's call of the original"
-        joins = left <= plain
+        joins = left <= max(plain, JOIN_FLOOR)
         logger.info("pid %d %s the fill of %s: %d of %d MB in place, %.2fs left against a plain load of %.2fs (%s)",
                     pid, "joins" if joins else "loads plainly beside", key[:16], fill.written >> 20,
                     fill.expected >> 20, left, plain, weighed)
-        return plain if joins else 0.0
+        return max(plain, JOIN_FLOOR) if joins else 0.0
 
     def renew(self, fill: Fill, plain: float | None, pid: int, since: float, first: bool = True) -> float:
         """Note [Joining a fill]: how long process ``pid``, whose join of ``fill`` (waited for from
@@ -499,7 +522,7 @@ class Fills:
             if first and original and plain:  # a plain load's time at normal priority: close to its end
                 logger.info("pid %d waits once more for the fill of %s: its loader still runs the original",
                             pid, fill.key[:16])
-                return plain
+                return max(plain, JOIN_FLOOR)
             return 0.0  # no news of the pack since it joined
         logger.info("pid %d weighs the fill of %s again: %s", pid, fill.key[:16],
                     "it has begun to pack" if began else "its pack reported how far it is")

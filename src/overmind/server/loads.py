@@ -320,6 +320,7 @@ class Loads:
         started = time.monotonic()
         try:
             with self.load_slots:
+                self.fills.slot_taken(fill)  # Note [Joining a fill] in overmind.server.fills
                 logger.info("miss %s: loading %s for pid %d", request.key[:16], request.description, pid)
                 contents = self.registry.content_index()
                 job, loader, fresh = self.pool.start_loader(request.key, context, cwd, sys_path, blob,
