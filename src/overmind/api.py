@@ -211,9 +211,12 @@ def _prepare() -> None:
         from overmind.client import cache
         from overmind.client.connection import LoadingConnection
         from overmind.shared import protocol as P
+        from overmind.shared import teardown
         from overmind.shared.config import Config
         from overmind.shared.contexts import caller_context, in_warm_run
 
+        if teardown.exiting():  # the script left while we imported (`--help`): nothing to prepare for
+            return
         config = Config.from_env()
         conn = LoadingConnection.open(config)
         if not in_warm_run():  # a forked run's interpreter serves its context already

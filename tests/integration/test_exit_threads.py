@@ -51,3 +51,41 @@ def test_the_first_runs_thread_ends_before_the_teardown(server, tmp_path):
     seen = last_json(proc)
     assert seen["ours"] == ["overmind-first-run"], seen  # run 1 runs plainly and teaches its imports
     assert seen["left"] == [], seen
+
+
+def test_a_script_that_leaves_right_after_monkey_patch_all_does_not_wait_out_the_bound(server, tmp_path):
+    """`python train.py --help` with the drop-in on top: the script leaves while the prepare thread
+    still imports; the event it registers after the exit's wake pass is set at once, so the exit
+    waits for those imports only, not all of JOIN_FOR while the thread waits on that event."""
+    from overmind.shared import teardown
+
+    script = tmp_path / "bare.py"
+    script.write_text(LOOK_AT_EXIT.format(before="import overmind.api\novermind.api.monkey_patch_all()"))
+    proc = subprocess.run([sys.executable, str(script)], env=server.client_env(), capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = last_json(proc)
+    assert "overmind-prepare" in seen["ours"], seen  # still importing as the script ended
+    assert seen["left"] == [] and seen["took"] < teardown.JOIN_FOR, seen
+
+
+def test_an_event_registered_after_the_exit_began_is_set_at_once(tmp_path):
+    """Note [Our threads end before the teardown]: a thread that registers its wake-up event only
+    after the exit's wake pass (it was still importing) is woken all the same."""
+    script = tmp_path / "late.py"
+    script.write_text(LOOK_AT_EXIT.format(before="""
+from overmind.shared import teardown
+
+def late():
+    while not teardown.exiting():
+        time.sleep(0.001)
+    event = threading.Event()
+    teardown.wake_at_exit(event)
+    event.wait(30)
+
+teardown.start_thread(late, "overmind-late")
+"""))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = last_json(proc)
+    assert seen["ours"] == ["overmind-late"] and seen["left"] == [], seen
