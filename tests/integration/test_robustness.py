@@ -230,6 +230,58 @@ def test_the_cli_finds_and_stops_a_server_it_cannot_reach(runtime_dir):
         server.stop()
 
 
+def test_a_server_started_while_the_last_one_still_holds_the_runtime_dir_waits_for_it(runtime_dir):
+    """Note [One server per runtime directory]: the lock goes with the last of the old server's
+    threads, which can be after `overmind shutdown` saw it gone. A new server waits LOCK_WAIT for
+    a holder that does not serve, then says another runs."""
+    from overmind.server import daemon
+
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir))
+    start = [sys.executable, "-m", "overmind.server", "--daemon"]
+    lock = os.open(runtime_dir / "server.instance.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        import fcntl
+
+        fcntl.flock(lock, fcntl.LOCK_EX)  # an old server, exiting: it holds the lock, serves nothing
+        started = time.monotonic()
+        refused = subprocess.run(start, env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert refused.returncode == daemon.EXIT_ALREADY_RUNNING, refused.stderr
+        assert "already running" in refused.stderr and time.monotonic() - started >= daemon.LOCK_WAIT
+        threading.Timer(0.5, os.close, [lock]).start()  # it exits: the kernel releases its lock
+        lock = -1
+        ready = subprocess.run(start, env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert ready.returncode == 0 and "ready" in ready.stdout, ready.stderr
+    finally:
+        if lock >= 0:
+            os.close(lock)
+        subprocess.run([sys.executable, "-m", "overmind", "shutdown"], env=env, capture_output=True, timeout=60,
+                       cwd=REPO)
+        _kill_all(runtime_dir)
+
+
+def test_the_cli_counts_a_process_alive_until_its_last_thread_is_gone():
+    """`overmind shutdown` returns once the server is gone, so that a server started next finds the
+    runtime dir free: a first thread that exited while another runs is not the process gone."""
+    from overmind.frontend.cli import _alive
+
+    code = ("import ctypes, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(1.0,)).start()\n"
+            "ctypes.CDLL(None).pthread_exit(None)  # the first thread leaves; the other sleeps on\n")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        def first_thread_state() -> bytes:
+            with open(f"/proc/{proc.pid}/stat", "rb") as f:
+                return f.read().rpartition(b")")[2].split()[0]
+
+        _wait_for(lambda: first_thread_state() == b"Z", 30, "the first thread to exit")
+        assert len(os.listdir(f"/proc/{proc.pid}/task")) == 2 and _alive(proc.pid)
+        _wait_for(lambda: not _alive(proc.pid), 30, "the other thread to end")  # the other thread ended: a zombie to reap
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # -- 4. a loader's death is retried; a raise is remembered -------------------------------------
 
 DYING_MODULE = '''

@@ -301,11 +301,25 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie has exited; only its parent's wait is left (a supervisor may take its time)
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (OSError, IndexError):
+    # A zombie has exited; only its parent's wait is left (a supervisor may take its time). But
+    # its first thread is a zombie as soon as it has exited itself: the process, its files and
+    # the instance lock with them, are gone only with the last of its threads.
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False  # reaped meanwhile
+    except OSError:
         return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                if f.read().rpartition(b")")[2].split()[0] != b"Z":
+                    return True
+        except FileNotFoundError:
+            continue  # that thread is gone
+        except (OSError, IndexError):
+            return True
+    return False
 
 
 def cmd_shutdown(conn: Connection, args: argparse.Namespace) -> int:

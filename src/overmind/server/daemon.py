@@ -69,6 +69,7 @@ MAX_CONNECTIONS = 256
 HANDSHAKE_TIMEOUT = 5.0
 FRAME_TIMEOUT = 30.0
 IDLE_TIMEOUT = 600.0
+LOCK_WAIT = 2.0  # seconds a starting server waits for the lock of a server still exiting: Note [One server per runtime directory]
 SOCKET_CHECK_INTERVAL = 0.5
 HOUSEKEEPING_INTERVAL = 10.0  # warm interpreters: idle time and memory (WarmPool.housekeeping)
 PEER_ROLES = ("client", "cli", "run")  # what Hello.role says; a loader never connects (Note [The loader is handed its references] in overmind.server.loads)
@@ -117,12 +118,23 @@ class Server:
         # The instance lock is held for the process's life and released by the kernel on death,
         # so a stale socket file can be replaced safely, shutdown never removes another's socket,
         # and a client or the CLI can tell "a server runs here" even when its socket is gone.
+        # The kernel releases it when the last of the process's threads is gone, which can be
+        # after the process looks gone (its first thread a zombie while another still unmaps
+        # gigabytes of segments): a server started right after `overmind shutdown` once found it
+        # still held. So a starting server waits up to LOCK_WAIT for a lock whose holder no longer
+        # accepts connections; one that serves is refused at once.
         fd = open_runtime_file(self.config.instance_lock_path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise AlreadyRunning(f"another overmind-server is already running in {self.config.runtime_dir}") from None
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline or _serving(str(path)):
+                    os.close(fd)
+                    raise AlreadyRunning(f"another overmind-server is already running in {self.config.runtime_dir}"
+                                         ) from None
+                time.sleep(0.05)
         self.instance_lock = fd
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -498,6 +510,17 @@ def _install_signals(server: Server) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+
+
+def _serving(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def _daemonize(ready_write: int) -> None:
