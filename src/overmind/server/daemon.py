@@ -20,7 +20,6 @@ close the fd at once, so eviction frees the pages when the last client unmaps
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ from typing import Optional
 from overmind import __version__
 from overmind.shared import protocol as P
 from overmind.shared.config import (LOG_FORMAT, PREPARE_VARIABLE, Config, ConfigError, ensure_private_dir,
-                                    open_runtime_file, read_runtime_file, write_runtime_file)
+                                    lock_within, open_runtime_file, read_runtime_file, write_runtime_file)
 from overmind.server.loads import MAX_TEXT, Loads, check_modules, check_request, reply_error
 from overmind.server.options import parse as parse_options
 from overmind.server.pool import WarmPool, LoadFailure, context_from_wire, run_from_wire
@@ -124,26 +123,12 @@ class Server:
         # still held. So a starting server waits up to LOCK_WAIT for a lock whose holder no longer
         # accepts connections; one that serves is refused at once.
         fd = open_runtime_file(self.config.instance_lock_path)
-        deadline = time.monotonic() + LOCK_WAIT
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline or _serving(str(path)):
-                    os.close(fd)
-                    raise AlreadyRunning(f"another overmind-server is already running in {self.config.runtime_dir}"
-                                         ) from None
-                time.sleep(0.05)
+        if not lock_within(fd, LOCK_WAIT, 0.05, give_up=lambda: _serving(str(path))):
+            os.close(fd)
+            raise AlreadyRunning(f"another overmind-server is already running in {self.config.runtime_dir}")
         self.instance_lock = fd
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
+        if _serving(str(path)):
             raise AlreadyRunning(f"another overmind-server is already listening on {path}")
-        except (FileNotFoundError, ConnectionRefusedError):
-            pass
-        finally:
-            probe.close()
         self._bind()
         write_runtime_file(self.config.pid_path, f"{os.getpid()}\n")
         # Only now, holding the instance lock: one server per runtime directory, so one writer per state file.
@@ -513,11 +498,12 @@ def _install_signals(server: Server) -> None:
 
 
 def _serving(path: str) -> bool:
+    """Does a server accept connections on ``path``? (Other errors than none there are raised.)"""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
         return True
-    except OSError:
+    except (FileNotFoundError, ConnectionRefusedError):
         return False
     finally:
         probe.close()

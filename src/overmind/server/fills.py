@@ -505,11 +505,12 @@ class Fills:
         weighed = "the last plain load"
         if fill.original_seconds and fill.original_seconds < plain:  # the first caller's imports are done here too
             plain, weighed = fill.original_seconds, "the loader's call of the original"
-        joins = left <= max(plain, JOIN_FLOOR)
+        wait = max(plain, JOIN_FLOOR)
+        joins = left <= wait
         logger.info("pid %d %s the fill of %s: %d of %d MB in place, %.2fs left against a plain load of %.2fs (%s)",
                     pid, "joins" if joins else "loads plainly beside", key[:16], fill.written >> 20,
                     fill.expected >> 20, left, plain, weighed)
-        return max(plain, JOIN_FLOOR) if joins else 0.0
+        return wait if joins else 0.0
 
     def renew(self, fill: Fill, plain: float | None, pid: int, since: float, first: bool = True) -> float:
         """Note [Joining a fill]: how long process ``pid``, whose join of ``fill`` (waited for from

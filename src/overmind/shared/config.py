@@ -56,10 +56,12 @@ never stops a script: Note [A bad setting never stops a script].
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import stat
 import sys
+import time
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
@@ -67,7 +69,7 @@ if TYPE_CHECKING:
     from typing import Callable, Optional
 
 __all__ = ["Config", "ConfigError", "default_runtime_dir", "default_state_dir", "ensure_private_dir",
-           "open_runtime_file",
+           "open_runtime_file", "lock_within",
            "write_runtime_file", "read_runtime_file", "patching_disabled", "prestart_enabled",
            "extra_patch_points", "flag", "selecting_environment", "ENV_PREFIXES", "ENV_NAMES", "FLAG_SPELLINGS",
            "LOG_LEVELS", "LOG_FORMAT", "COLD_MODES", "PREPARE_VARIABLE"]
@@ -371,6 +373,20 @@ def open_runtime_file(path: Path, flags: int = os.O_RDWR, mode: int = 0o600, cre
         raise ConfigError(f"{path} is not a regular file of yours; remove it")
     os.set_blocking(fd, True)
     return fd
+
+
+def lock_within(fd: int, seconds: float, interval: float, give_up: Callable[[], bool] = lambda: False) -> bool:
+    """Take ``fd``'s exclusive lock, trying every ``interval`` seconds for ``seconds`` at most,
+    or until ``give_up()`` says to stop; whether it was taken."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline or give_up():
+                return False
+            time.sleep(interval)
 
 
 def write_runtime_file(path: Path, text: str) -> None:

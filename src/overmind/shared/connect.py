@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from overmind import __version__
-from overmind.shared.config import PREPARE_VARIABLE, Config, ensure_private_dir, open_runtime_file
+from overmind.shared.config import PREPARE_VARIABLE, Config, ensure_private_dir, lock_within, open_runtime_file
 
 if TYPE_CHECKING:
     from overmind.shared import protocol as P
@@ -112,16 +112,8 @@ def start_server(config: Config, timeout: float = START_TIMEOUT, wait: bool = Tr
     ensure_private_dir(config.runtime_dir)
     lock = open_runtime_file(config.lock_path)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ServerUnavailable(f"timed out waiting for another client to start the server "
-                                            f"({config.lock_path})") from None
-                time.sleep(0.02)
+        if not lock_within(lock, timeout, 0.02):
+            raise ServerUnavailable(f"timed out waiting for another client to start the server ({config.lock_path})")
         try:
             try:
                 _connect(str(config.socket_path), config.reply_timeout).close()
