@@ -31,13 +31,15 @@ VALUES = {
     "--warm-max": ("1", "7"),
     "--warm-memory": ("1G", "2G"),
     "--warm-idle": ("10", "20"),
+    "--headroom": ("2G", "5%"),
     "--log-level": ("debug", "ERROR"),
 }
 YES_NO = {"--keep-file-pages"}
 
 BAD = [
     ("--max-memory", "lots", "40G, 512M, 60% or a number of bytes"),
-    ("--warm-memory", "0%", "40G, 512M, 60% of RAM or a number of bytes"),
+    ("--warm-memory", "0%", "40G, 512M, 60% of the memory this process may use or a number of bytes"),
+    ("--headroom", "lots", "use 40G, 512M, 60% or a number of bytes"),
     ("--restore", "half", "40G, 512M, a number of bytes, 60% of the memory budget, or 0"),
     ("--settle-after", "-1", "a number of seconds, at least 0, or never; default 30"),
     ("--fill-yield", "soon", "a number of seconds, at least 0; default 120"),
@@ -114,7 +116,7 @@ def test_help_lists_every_flag_with_its_variable_and_default_and_exits_0():
         assert s.flag in text and s.variable in text, s
     assert "--no-keep-file-pages" in text and "--foreground" in text and "--daemon" in text
     for said in ("(default 4; OVERMIND_WARM_MAX)", "(default 8G; OVERMIND_WARM_MEMORY)", "(default 30; OVERMIND_SETTLE",
-                 "(default 50% of RAM; OVERMIND_MAX_MEMORY)", "(default --keep-file-pages; OVERMIND_KEEP_FILE_PAGES)"):
+                 "(default 50% of that memory; OVERMIND_MAX_MEMORY)", "(default --keep-file-pages; OVERMIND_KEEP_FILE_PAGES)"):
         assert said in text, said
 
 

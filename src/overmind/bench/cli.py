@@ -21,9 +21,11 @@ cache folder (``--cache-dir``, default ``~/.cache/overmind-bench``). Scenarios:
 - ``custom``: your ``--loader`` and ``--model``;
 - ``memory``: K processes hold a model, plain vs overmind: summed PSS and used memory;
 - ``startup``: what ``import overmind.api; monkey_patch_all()`` adds to an interpreter.
-- ``compiled`` and ``restart``, each alone (their own runners): a ``torch.compile`` and an
-  AOTInductor script under ``overmind run`` (:mod:`overmind.bench.compiled`), and how warm a
-  restarted server is, and how much its restore slows a client (:mod:`overmind.bench.restart`).
+- ``compiled``, ``restart`` and ``memory_pressure``, each alone (their own runners): a
+  ``torch.compile`` and an AOTInductor script under ``overmind run`` (:mod:`overmind.bench.compiled`),
+  how warm a restarted server is, and how much its restore slows a client (:mod:`overmind.bench.restart`),
+  and whether a full cache gives way to a job that needs the memory, and how soon it is warm
+  again (:mod:`overmind.bench.pressure`).
 
 Each load of the load scenarios runs in a fresh process in three modes: plain
 (``OVERMIND_DISABLE=1``), overmind cold (after evicting the cache) and overmind warm; with
@@ -96,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scenarios", metavar="LIST",
                         help=f"comma-separated, from {', '.join((*LOAD_SCENARIOS, *EXTRA_SCENARIOS))} "
                              "(default: all built-in ones; with --model: custom,memory,startup); or compiled, "
-                             "or restart, alone")
+                             "restart or memory_pressure, alone")
     parser.add_argument("--memory-cases", metavar="LIST",
                         help="the load scenarios the memory scenario holds (default controlnet,fp32_as_fp16; "
                              "--quick: controlnet; with --model: custom)")
@@ -118,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--contention-pairs", type=int, metavar="N", default=3,
                         help="restart scenario: pairs of a client run during a restore against one beside nothing "
                              "to restore (default 3; 0 skips them)")
+    parser.add_argument("--margin", type=float, metavar="GIB", default=3.0,
+                        help="memory_pressure scenario: its job's target is MemAvailable with no server less this "
+                             "(default 3 GiB)")
+    parser.add_argument("--hold", type=float, metavar="S", default=5.0,
+                        help="memory_pressure scenario: seconds its job holds the memory (default 5)")
+    parser.add_argument("--pairs", type=int, metavar="N", default=3,
+                        help="memory_pressure scenario: pairs of overmind run and plain python after the job "
+                             "(default 3)")
     parser.add_argument("--whole-runs", type=int, metavar="N",
                         help="its timed runs per script and mode (default 5; --quick: 1)")
     parser.add_argument("--curve-scripts", metavar="LIST",
@@ -297,6 +307,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from overmind.bench import restart
 
         return restart.main(argv)
+    if (args.scenarios or "").strip() == "memory_pressure":  # its own runner: overmind.bench.pressure
+        from overmind.bench import pressure
+
+        return pressure.main(argv)
     started = time.monotonic()
     try:
         plan, extra = make_plan(args)

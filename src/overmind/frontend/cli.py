@@ -140,6 +140,28 @@ def restore_line(info: dict) -> str:
     return line + (f" ({', '.join(extra)})" if extra else "")
 
 
+def memory_rows(memory: dict) -> list[tuple[str, str]]:
+    """The memory the server may use and how it gave way (Note [The cache gives way] in
+    overmind.server.pressure), in words."""
+    rows = [("memory", f"{human_bytes(memory.get('available', 0))} available of {human_bytes(memory.get('limit', 0))} "
+             f"({memory.get('limit_from', '?')}); headroom {human_bytes(memory.get('headroom', 0))}"
+             + ("; SHORT now: letting go" if memory.get("pressed") else ""))]
+    event = memory.get("last_event")
+    if isinstance(event, dict):
+        let_go = event.get("let_go") or {}
+        when = time.strftime("%H:%M:%S", time.localtime(event.get("started", 0)))
+        took = f" in {event['seconds']:.2f}s" if isinstance(event.get("seconds"), (int, float)) else ""
+        rows.append(("last pressure", f"{when} ({event.get('why', '')}), event {memory.get('events', 0)}: let go{took} "
+                     f"{let_go.get('unsettled', 0)} file segments ({human_bytes(let_go.get('unsettled_bytes', 0))}) "
+                     f"to their files, {let_go.get('interpreters', 0)} warm interpreters, {let_go.get('entries', 0)} "
+                     f"entries ({human_bytes(let_go.get('entry_bytes', 0))})"))
+    comeback = memory.get("comeback")
+    if isinstance(comeback, dict) and (comeback.get("pending") or comeback.get("done")):
+        rows.append(("coming back", f"{comeback.get('state', '')}: {comeback.get('done', 0)} back, "
+                     f"{comeback.get('pending', 0)} pending"))
+    return rows
+
+
 def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
     if args.wait_ready:
         return _wait_ready(conn, args)
@@ -152,11 +174,13 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
         return EXIT_OK
     first = ["pid", "version", "uptime", "entries", "used", "budget", "hits", "misses", "plain_loads", "not_cacheable",
              "stale_misses", "evictions", "loading", "loaders_exiting"]
-    special = ("bytes", "restore", "state", "ready", "file_segments", "packing")
+    special = ("bytes", "restore", "state", "ready", "file_segments", "packing", "memory")
     names = [n for n in first if n in info] + sorted(n for n in info if n not in first and n not in special)
     rows = [(name, _format_value(name, info[name])) for name in names]
     if "restore" in info:
         rows.append(("restore", restore_line(info)))
+    if isinstance(info.get("memory"), dict):
+        rows.extend(memory_rows(info["memory"]))
     files = info.get("file_segments")
     if isinstance(files, dict):  # Note [Settling file segments] in overmind.server.settle
         copying = files.get("copying")

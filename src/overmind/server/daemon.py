@@ -37,6 +37,7 @@ from overmind.shared.config import (LOG_FORMAT, PREPARE_VARIABLE, Config, Config
 from overmind.server.loads import MAX_TEXT, Loads, check_modules, check_request, reply_error
 from overmind.server.options import parse as parse_options
 from overmind.server.pool import WarmPool, LoadFailure, context_from_wire, run_from_wire
+from overmind.server.pressure import Guard
 from overmind.server.programs import ProgramHistory
 from overmind.server.registry import Registry
 from overmind.server.restore import Restore
@@ -107,6 +108,10 @@ class Server:
         # Note [Settling file segments] in overmind.server.settle
         self.settler = Settler(self.registry, config.settle_after, self.stopping, config.keep_file_pages)
         self.prepare_python = prepare_python  # Note [The server a first run starts prepares its interpreter]
+        # Note [The cache gives way] in overmind.server.pressure
+        self.guard = Guard(config, self.registry, self.pool, self.settler, self.restore, self.stopping)
+        self.settler.pressed = self.pool.holding_back = self.loads.fills.holding_back = self.guard.pressed
+        self.settler.may_copy = self.guard.room_for
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 
@@ -137,6 +142,7 @@ class Server:
             self._prepare_first_run(self.prepare_python)
         threading.Thread(target=self.state.run, args=(self.stopping,), daemon=True, name="overmind-state").start()
         threading.Thread(target=self.settler.run, daemon=True, name="overmind-settle").start()
+        threading.Thread(target=self.guard.run, daemon=True, name="overmind-memory").start()
         threading.Thread(target=self.pool.watch_notices, args=(self.stopping,), daemon=True,
                          name="overmind-notices").start()
         self.restore.start(state)
@@ -405,6 +411,7 @@ class Server:
         info["packing"] = self.loads.fills.packing()  # Note [Joining a fill] in overmind.server.fills
         info.update(self.registry.counters())  # after the fills': one no longer "loading" has its entry counted
         info["file_segments"] = {"bytes": self.registry.file_bytes(), **self.settler.describe()}  # Note [Settling file segments]
+        info["memory"] = self.guard.describe()  # Note [The cache gives way] in overmind.server.pressure
         info["restore"] = self.restore.describe()  # Note [Restore after a restart] in overmind.server.restore
         info["ready"] = info["restore"]["ready"]
         info["state"] = self.state.describe()

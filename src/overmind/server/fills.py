@@ -283,6 +283,8 @@ class Fills:
         self.plain_loads = 0  # clients' loads that neither hit nor started a fill: loads_plainly
         self.joined = 0  # callers that joined a fill: Note [Joining a fill]
         self.can_lift_idle = can_lift_idle()
+        # True while memory is short: no fill starts (Note [The cache gives way] in overmind.server.pressure)
+        self.holding_back: Callable[[], bool] = lambda: False
 
     def counters(self) -> dict:
         with self.lock:
@@ -325,7 +327,7 @@ class Fills:
                     return Admission(failure=failure.error)
                 if lookup_only:
                     return Admission()
-                if len(self.fills) >= self.max_fills:
+                if len(self.fills) >= self.max_fills or self.holding_back():
                     return Admission(busy=True)
                 # a waiter that came first makes it wanted
                 fill = self.fills[key] = Fill(key, background and not self.lenders.get(key), caller)

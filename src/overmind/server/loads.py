@@ -187,7 +187,8 @@ class Loads:
             return self._send_entry(conn, admission.reply, hit=True)
         if admission.busy:
             self.fills.loads_plainly()
-            return P.send_message(conn, P.Pending(request.key, False, "the server is busy with other loads"))
+            why = "memory is short on this machine" if self.fills.holding_back() else "the server is busy with other loads"
+            return P.send_message(conn, P.Pending(request.key, False, why))
         if admission.failure is not None:
             if admission.failure.code == P.ErrorCode.NOT_REBUILDABLE:
                 self.not_cacheable += 1  # Note [Results that cannot be rebuilt] in overmind.shared.quirks

@@ -49,8 +49,9 @@ SETTINGS = (
     # overmind.server.state
     Setting("OVERMIND_STATE_DIR", "DIR", "where the server keeps what it learned across restarts; created 0700",
             "$XDG_STATE_HOME/overmind, else ~/.local/state/overmind"),
-    Setting("OVERMIND_MAX_MEMORY", "SIZE", "memory budget for cached models: 40G, 512M, 60% of RAM or bytes; "
-            "least recently used entries are evicted", "50% of RAM"),
+    Setting("OVERMIND_MAX_MEMORY", "SIZE", "memory budget for cached models: 40G, 512M, 60% of the memory the "
+            "server may use (the smallest of RAM and its cgroup limits) or bytes; least recently used entries are "
+            "evicted", "50% of that memory"),
     # overmind.server.restore
     Setting("OVERMIND_RESTORE", "SIZE", "how much of the recently used cache a fresh server refills on its own: "
             "40G, 512M, bytes or 60% of the memory budget; 0: nothing (the state is still kept)", "100%"),
@@ -67,8 +68,12 @@ SETTINGS = (
     Setting("OVERMIND_LOADER_TIMEOUT", "S", "seconds before the server kills a loader"),
     Setting("OVERMIND_WARM_MAX", "N", "warm interpreters kept at once, one per context"),
     Setting("OVERMIND_WARM_MEMORY", "SIZE", "memory all warm interpreters may hold together, as PSS: 8G, 512M, "
-            "60% of RAM or bytes"),
+            "60% of the memory the server may use, or bytes"),
     Setting("OVERMIND_WARM_IDLE", "S", "seconds an unused warm interpreter is kept"),
+    # Note [The cache gives way] in overmind.server.pressure
+    Setting("OVERMIND_HEADROOM", "SIZE", "memory the server keeps free for other processes: when less is available "
+            "it lets go of its cache, and refills it once there is room again: 2G, 512M, 10% of the memory the "
+            "server may use, or bytes", "10% of that memory, at least 1G (a quarter of it at most), at most 8G"),
     Setting("OVERMIND_LOG_LEVEL", "LEVEL", f"the server log's level: {', '.join(LOG_LEVELS)}"),
 )
 
@@ -99,11 +104,27 @@ def _checked(variable: str):
     return check
 
 
+def _memory_text() -> str:
+    """Which limit the memory settings' shares are of, here and now."""
+    from overmind.server.pressure import default_headroom
+    from overmind.shared.host_memory import HostMemory
+
+    try:
+        memory = HostMemory.read()
+    except OSError as err:
+        return f"The memory the server may use cannot be read here: {err}."
+    limit = memory.limit
+    gib = 1 << 30
+    return (f"The memory the server may use here: {limit.bytes / gib:.1f} GiB, from {limit.source} (the smallest of "
+            f"RAM and the cgroup limits over it); so by default the budget is {limit.bytes // 2 / gib:.1f} GiB "
+            f"and the headroom {default_headroom(limit.bytes) / gib:.1f} GiB.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="overmind-server", description="The overmind model cache daemon.",
         epilog="Clients find the server by its runtime directory (OVERMIND_RUNTIME_DIR, or `overmind --runtime-dir`); "
-               "their own settings are environment variables (README, Settings).")
+               "their own settings are environment variables (README, Settings). " + _memory_text())
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--foreground", action="store_true", help="stay attached; log to stderr too (default)")
     mode.add_argument("--daemon", action="store_true", help="detach once ready")

@@ -31,6 +31,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from typing import Callable
 
 from overmind.shared import protocol as P
 from overmind.shared.config import Config
@@ -86,6 +87,8 @@ class WarmPool:
         # for a load imports under (Note [One interpreter per lineage]); never written to disk
         self._environments: "OrderedDict[str, dict]" = OrderedDict()
         self._counted_unforkable: "weakref.WeakSet[WarmProcess]" = weakref.WeakSet()
+        # True while memory is short: no interpreter starts (Note [The cache gives way] in overmind.server.pressure)
+        self.holding_back: Callable[[], bool] = lambda: False
 
     def _interpreter(self, context: Context, create: bool = True, env: dict | None = None) -> WarmProcess | None:
         """The interpreter that serves ``context``, started if ``create`` (Note [One interpreter per
@@ -178,6 +181,8 @@ class WarmPool:
         learn] in overmind.warm.interpreter), and preload ``packages`` (Note [AOTInductor packages
         are handed over] in overmind.shared.compiled). ``env``: a run's whole environment, for a
         new interpreter to import under (Note [A run's interpreter imports under the run's environment])."""
+        if self.holding_back():
+            return logger.info("not starting a warm interpreter for context %s: memory is short", context.key)
         try:
             if packages and not modules and env is None:
                 # A run that loaded a package says so (overmind.client.compiled): the lineage's interpreters
@@ -318,6 +323,27 @@ class WarmPool:
                 break
             total -= sizes[interpreter.proc.pid]
             self._retire(interpreter, "over OVERMIND_WARM_MEMORY")
+
+    def retire_for_memory(self) -> tuple | None:
+        """Retire the least recently used interpreter that is not being asked to fork right now, for
+        memory (Note [The cache gives way] in overmind.server.pressure): its (context, the
+        environment it imported under, its PSS), to start it again later; None if there is none.
+        Its runs and loads go on (Note [Retiring never kills work] in overmind.warm.interpreter)."""
+        for interpreter in self.live():
+            if not interpreter.lock.acquire(blocking=False):
+                continue  # a fork is being asked for: it is in use
+            interpreter.lock.release()
+            pss = interpreter.pss()
+            if interpreter.ready:
+                self._retire(interpreter, "memory is short")
+            else:  # still importing: it has no child yet, and takes more memory every second
+                logger.info("stopping warm interpreter %d, still importing (memory is short)", interpreter.proc.pid)
+                self._discard(interpreter)
+            return interpreter.context, interpreter.start_env, pss
+        return None
+
+    def pids(self) -> list[int]:
+        return [interpreter.proc.pid for interpreter in self.live() if interpreter.alive]
 
     def watch_notices(self, stopping: threading.Event) -> None:
         """The server's thread that hears an interpreter say it cannot fork as soon as it says so

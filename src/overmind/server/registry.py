@@ -49,11 +49,12 @@ class TooLarge(Exception):
 
 
 MAX_CONTENTS = 16000  # contents records kept per entry (a loader sends at most 8000 with its answer)
-DEFAULT_BUDGET_SHARE = 0.5  # of RAM: room for the models, and for the processes that use them
+DEFAULT_BUDGET_SHARE = 0.5  # of memory_total() (RAM or the cgroup limit): room for the models, and for the processes that use them
 
 
-def default_budget() -> int:
-    return int(memory_total() * DEFAULT_BUDGET_SHARE)
+def default_budget(total: Optional[int] = None) -> int:
+    """A share of ``total``, by default the memory the server may use (RAM or the cgroup limit over it)."""
+    return int((memory_total() if total is None else total) * DEFAULT_BUDGET_SHARE)
 
 
 @dataclass
@@ -248,17 +249,17 @@ class Registry:
                         found[ident] = (ident, slot[1], os.dup(slot[0]))
         return list(found.values())
 
-    def replace_segment(self, ident: tuple[int, int], fd: int, size: int) -> int:
-        """Every slot that holds segment ``ident`` holds a duplicate of ``fd`` (the same bytes, in
-        a sealed memfd of ``size`` bytes) from now on; the fds it held are closed. Returns how
-        many entries changed. A client that was answered with the old handles finds them gone and
-        asks again (SegmentChanged)."""
+    def replace_segment(self, ident: tuple[int, int], fd: int, size: int, is_file: bool = False) -> int:
+        """Every slot that holds segment ``ident`` holds a duplicate of ``fd`` (the same bytes: a
+        sealed memfd of ``size`` bytes, or with ``is_file`` the model file they were copied from)
+        from now on; the fds it held are closed. Returns how many entries changed. A client that
+        was answered with the old handles finds them gone and asks again (SegmentChanged)."""
         st = os.fstat(fd)
         new = (st.st_dev, st.st_ino)
         replaced, changed = [], 0
         with self._lock:
             for entry in self._entries.values():
-                if ident not in entry.files:
+                if ident not in entry.slot_ids:
                     continue
                 for i, slot in enumerate(entry.slots):
                     if slot is not None and entry.slot_ids[i] == ident:
@@ -268,10 +269,47 @@ class Registry:
                 entry.segments = [(st.st_dev, st.st_ino, size) if (d, n) == ident else (d, n, sz)
                                   for d, n, sz in entry.segments]
                 entry.files.discard(ident)
+                if is_file:
+                    entry.files.add(new)
                 changed += 1
         for old in replaced:
             os.close(old)
         return changed
+
+    def file_record(self, ident: tuple[int, int]) -> Optional[list]:
+        """The ``LoadMeta.files`` record ([path, size, mtime_ns, ino, dev, ctime_ns]) of the model
+        file ``ident`` (dev, ino) as a loader that read it saw it, or None."""
+        with self._lock:
+            for entry in self._entries.values():
+                for record in entry.meta.files:
+                    if isinstance(record, list) and len(record) == 6 and (record[4], record[3]) == ident:
+                        return list(record)
+        return None
+
+    def segments_least_recent_first(self) -> list[tuple[int, int]]:
+        """(dev, ino) of every live segment, those of the least recently used entries first: the order
+        in which the cache lets go under memory pressure (overmind.server.pressure)."""
+        with self._lock:
+            order: dict = {}
+            for entry in sorted(self._entries.values(), key=lambda e: e.last_used):
+                for ident in entry.slot_ids:
+                    if ident is not None:
+                        order.setdefault(ident, None)
+            return list(order)
+
+    def evict_least_recent(self) -> Optional[tuple[str, str, int]]:
+        """Evict the least recently used entry: its (key, description, bytes it alone held), or None
+        when there is none (overmind.server.pressure)."""
+        with self._lock:
+            if not self._entries:
+                return None
+            holders = self._holders()
+            victim = min(self._entries.values(), key=lambda e: e.last_used)
+            owned = sum(size for dev, ino, size in victim.segments if len(holders[(dev, ino)][1]) == 1)
+            del self._entries[victim.key]
+            self.evictions += 1
+        victim.close()
+        return victim.key, victim.description, owned
 
     def file_bytes(self) -> int:
         """Bytes of the distinct file segments still served from the page cache."""

@@ -225,6 +225,23 @@ class Restore:
                 if outcome == "done":
                     self.bytes["done"] += entry["bytes"]
 
+    def bring_back(self, keys: list, room_for) -> tuple[int, list]:
+        """Refill the entries of ``keys`` (in that order: the most recently used first) that memory
+        pressure evicted (Note [The cache gives way] in overmind.server.pressure), each only while
+        ``room_for`` its bytes: (how many were refilled, the keys left for lack of room). A key the
+        state does not keep (no state directory, or too old) comes back when a client loads it."""
+        refilled = 0
+        records = self.keeper.records(keys)
+        for i, entry in enumerate(records):
+            if self.stopping.is_set():
+                return refilled, []
+            if not room_for(entry["bytes"]):
+                return refilled, [e["request"].key for e in records[i:]]
+            self._clients_first(entry["request"].key)
+            if self._refill_one(entry) == "done":
+                refilled += 1
+        return refilled, []
+
     def _clients_first(self, key: str) -> None:
         """Note [Restore after a restart]: wait while a client's fill is in flight."""
         deadline = time.monotonic() + CLIENT_FIRST

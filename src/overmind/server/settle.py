@@ -71,9 +71,10 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from overmind.server.registry import Registry
 from overmind.shared.memfd import RESIDENT, Segment, cached_share, hold_pages
@@ -86,6 +87,22 @@ __all__ = ["Settler", "CHUNK"]
 CHUNK = 32 << 20  # bytes copied between looks at whether a request came
 _POLL = 0.5  # seconds between looks for work
 READ_BACK_HOLD = 30.0  # seconds a lost file handed to a prefetching client is left to it
+
+
+def _open_unchanged(record: list, ident: tuple[int, int]) -> int:
+    """An fd of the file of ``record`` ([path, size, mtime_ns, ino, dev, ctime_ns]) if it is the file
+    ``ident`` with that size, mtime and ctime still; else -1."""
+    path, size, mtime_ns, ino, dev, ctime_ns = record
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except (OSError, ValueError):
+        return -1
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) == ident and stat.S_ISREG(st.st_mode) and \
+            (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (size, mtime_ns, ctime_ns):
+        return fd
+    os.close(fd)
+    return -1
 
 
 def _evicted(fd: int, size: int) -> bool:
@@ -109,10 +126,48 @@ class Settler:
         self._given_up: set = set()  # segments that changed or failed: left to the page cache
         self._read_back: dict = {}  # (dev, ino) -> until when a client is reading it back
         self._mapped: dict = {}  # (dev, ino) -> its mapping: Note [File segments stay mapped]
+        # Note [The cache gives way] in overmind.server.pressure: no copy and no held pages while memory
+        # is short; a copy only where it leaves room. Set by the server to its Guard's.
+        self.pressed: Callable[[], bool] = lambda: False
+        self.may_copy: Callable[[int], bool] = lambda size: True
+        self._lock = threading.Lock()
+        self._settled_from: dict = {}  # (dev, ino) of a settled memfd -> (dev, ino) of the file it copies
+        self._unsettled = 0  # settled segments served from their files again
 
     def describe(self) -> dict:
         """The status's ``file_segments``, less their bytes (the registry's)."""
-        return {"settled": self.settled, "settled_bytes": self.settled_bytes, "copying": self.copying}
+        return {"settled": self.settled, "settled_bytes": self.settled_bytes, "copying": self.copying,
+                "unsettled": self._unsettled}
+
+    def unsettle_one(self, order: list) -> Optional[tuple[tuple[int, int], int]]:
+        """Serve the first settled segment of ``order`` ((dev, ino), the cache's least recently used
+        first) whose model file is unchanged from that file again, closing the memfd (Note [The cache
+        gives way] in overmind.server.pressure): its (dev, ino) as a file segment and the memfd's
+        bytes, or None when there is none. The file is opened by the path its loader read and
+        checked to be that very file, as it was (ARCHITECTURE.md, invariant 7: A segment is what it
+        claims to be); one that changed is left settled (eviction takes it)."""
+        for memfd in order:
+            with self._lock:
+                file = self._settled_from.get(memfd)
+            if file is None:
+                continue
+            record = self.registry.file_record(file)
+            fd = _open_unchanged(record, file) if record is not None else -1
+            if fd < 0:
+                with self._lock:
+                    self._settled_from.pop(memfd, None)
+                continue
+            try:
+                changed = self.registry.replace_segment(memfd, fd, record[1], is_file=True)
+            finally:
+                os.close(fd)
+            with self._lock:
+                self._settled_from.pop(memfd, None)
+            if changed:
+                self._unsettled += 1
+                logger.info("serving file segment %d:%d from its file again (memory is short)", *file)
+                return file, record[1]  # the memfd held the file's bytes
+        return None
 
     def touch(self) -> None:
         self._last_request = time.monotonic()
@@ -156,6 +211,8 @@ class Settler:
                 evicted = [s for s in segments if not self._held(s[0]) and _evicted(s[2], s[1])] \
                     if self.idle_after is not None else []
                 chosen = evicted[0] if evicted else segments[0] if segments and self._quiet() else None
+                if chosen is not None and (self.pressed() or not self.may_copy(chosen[1])):
+                    chosen = None  # Note [The cache gives way] in overmind.server.pressure
                 if chosen is not None:
                     logger.info("copying file segment %d:%d into sealed memory: %s", *chosen[0],
                                 "the page cache lost it" if evicted else "the server is idle")
@@ -166,10 +223,10 @@ class Settler:
 
     def _keep_mapped(self, segments: list) -> None:
         """Note [File segments stay mapped]: map those the page cache holds, unmap those gone."""
-        current = {ident for ident, _, _ in segments}
+        current = {ident for ident, _, _ in segments} if not self.pressed() else set()
         for ident in [i for i in self._mapped if i not in current]:
             self._mapped.pop(ident).close()
-        for ident, size, fd in segments if self.keep_pages else ():
+        for ident, size, fd in segments if self.keep_pages and not self.pressed() else ():
             if ident not in self._mapped and not _evicted(fd, size):
                 started = time.monotonic()
                 mapping = hold_pages(fd, size)
@@ -197,6 +254,9 @@ class Settler:
             while done < size:
                 if self.stopping.is_set() or (pause and not self._wait_idle()):
                     return True  # stopping
+                if self.pressed():
+                    logger.info("copy of file segment %d:%d stopped: memory is short", *ident)
+                    return True  # the memfd goes with this block; the file stays served as it was
                 if not pause and self._held(ident):
                     return True  # a client reads it back now: the copy waits for a quiet time
                 n = min(CHUNK, size - done)
@@ -210,6 +270,9 @@ class Settler:
                 return False
             segment.finish(size)  # sealed; at whole huge pages where they are possible
             entries = self.registry.replace_segment(ident, segment.fd, segment.size)
+            st = os.fstat(segment.fd)
+            with self._lock:
+                self._settled_from[(st.st_dev, st.st_ino)] = ident
             segment.collapse_to_huge_pages()  # Note [Huge pages for segments] in overmind.shared.memfd
         self.settled += 1
         self.settled_bytes += size

@@ -413,6 +413,11 @@ class StateKeeper:
             while len(self.entries) > MAX_ENTRIES:
                 self.entries.popitem(last=False)
 
+    def records(self, keys: list) -> list:
+        """The kept records of those of ``keys`` it keeps, in that order (overmind.server.restore.Restore.bring_back)."""
+        with self.lock:
+            return [self.entries[key] for key in keys if key in self.entries]
+
     def forget(self, key: str) -> None:
         """An entry whose files changed: no later restore tries it (Note [Never stale] in overmind.server.restore)."""
         with self.lock:

@@ -35,7 +35,7 @@ means and its default, and ``overmind-server --help`` prints it: ``OVERMIND_RUNT
 ``OVERMIND_STATE_DIR``, ``OVERMIND_MAX_MEMORY``, ``OVERMIND_RESTORE``, ``OVERMIND_SETTLE_AFTER``,
 ``OVERMIND_KEEP_FILE_PAGES``, ``OVERMIND_FILL_YIELD``, ``OVERMIND_WORKERS``,
 ``OVERMIND_LOADER_TIMEOUT``, ``OVERMIND_WARM_MAX``, ``OVERMIND_WARM_MEMORY``,
-``OVERMIND_WARM_IDLE``, ``OVERMIND_LOG_LEVEL``. They are read here, by :meth:`Config.from_env`.
+``OVERMIND_WARM_IDLE``, ``OVERMIND_HEADROOM``, ``OVERMIND_LOG_LEVEL``. They are read here, by :meth:`Config.from_env`.
 
 Seams for tests and benchmarks, not settings a user needs (``OVERMIND_NO_AUTOSTART`` also
 serves pods that share their node's server: deploy/example-pod.yaml):
@@ -110,18 +110,18 @@ PREPARE_VARIABLE = "OVERMIND_PREPARE_PYTHON"
 
 
 def memory_total() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("MemTotal missing from /proc/meminfo")
+    """The memory this process may use: the smallest of RAM and the cgroup limits over it, so a
+    share of it (``60%``, the default budget) stays inside the container it runs in."""
+    from overmind.shared.host_memory import HostMemory  # here: monkey_patch_all() imports this module
+
+    return HostMemory.read().limit.bytes
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_size(text: str) -> int:
-    """``40G``, ``512MB``, ``1.5T``, ``60%`` (of RAM) or plain bytes."""
+    """``40G``, ``512MB``, ``1.5T``, ``60%`` (of memory_total()) or plain bytes."""
     raw = str(text).strip().upper()
     if raw.endswith("%"):
         share = float(raw[:-1])
@@ -246,7 +246,7 @@ def _size(env, name: str) -> Optional[int]:
     try:
         return parse_size(raw)
     except ValueError as err:
-        accepted = "" if "40G" in str(err) else " (accepted: 40G, 512M, 60% of RAM or a number of bytes)"
+        accepted = "" if "40G" in str(err) else " (accepted: 40G, 512M, 60% of the memory this process may use or a number of bytes)"
         raise ConfigError(f"{name}={raw!r} is not a size: {err}{accepted}") from None
 
 
@@ -425,12 +425,13 @@ class Config:
 
     __slots__ = ("runtime_dir", "disable", "strict", "timeout", "reply_timeout", "loader_timeout", "workers",
                  "autostart", "cold_wait", "log_level", "max_memory", "warm_max", "warm_idle", "warm_memory",
-                 "fill_yield", "settle_after", "keep_file_pages", "state_dir", "restore_bytes", "restore_share")
+                 "fill_yield", "settle_after", "keep_file_pages", "state_dir", "restore_bytes", "restore_share",
+                 "headroom")
     _DEFAULTS = {"disable": False, "strict": False, "timeout": 300.0, "reply_timeout": 2.0, "loader_timeout": 3600.0,
                  "workers": 2, "autostart": True, "cold_wait": False, "log_level": "INFO", "max_memory": None,
                  "warm_max": 4, "warm_idle": 1800.0, "warm_memory": 8 << 30, "fill_yield": 120.0, "settle_after": 30.0,
                  "keep_file_pages": True,
-                 "state_dir": None, "restore_bytes": None, "restore_share": 1.0}
+                 "state_dir": None, "restore_bytes": None, "restore_share": 1.0, "headroom": None}
 
     runtime_dir: Path
     disable: bool
@@ -452,6 +453,7 @@ class Config:
     state_dir: Optional[Path]  # None: no state kept (overmind.server.state)
     restore_bytes: Optional[int]  # OVERMIND_RESTORE as bytes; None: restore_share of the budget
     restore_share: float  # OVERMIND_RESTORE as a share of the memory budget (0: no restore)
+    headroom: Optional[int]  # bytes kept free for others; None: overmind.server.pressure.default_headroom()
 
     def __init__(self, runtime_dir: Path, **values) -> None:
         unknown = set(values) - set(self._DEFAULTS)
@@ -503,6 +505,7 @@ class Config:
         read("warm_max", _number, "OVERMIND_WARM_MAX", default["warm_max"], 1, True)
         read("warm_idle", _number, "OVERMIND_WARM_IDLE", default["warm_idle"], 1.0)
         read("warm_memory", _size, "OVERMIND_WARM_MEMORY")
+        read("headroom", _size, "OVERMIND_HEADROOM")
         read("fill_yield", _number, "OVERMIND_FILL_YIELD", default["fill_yield"], 0.0)
         read("settle_after", _optional_number, "OVERMIND_SETTLE_AFTER", default["settle_after"], 0.0)
         read("restore", _restore, "OVERMIND_RESTORE")

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 from overmind.shared.config import selecting_environment
 
@@ -123,6 +124,7 @@ class RunSpec:
     env: dict
     umask: int
     ignored_signals: frozenset = frozenset()
+    oom_score_adj: Optional[int] = None  # the caller's: Note [The cache dies first] in overmind.warm.oom
 
     @classmethod
     def of_caller(cls, mode: str, target: str, args: list[str]) -> "RunSpec":
@@ -132,7 +134,7 @@ class RunSpec:
         os.umask(umask)
         ignored = frozenset(int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                             and signal.getsignal(s) == signal.SIG_IGN)
-        return cls(mode, target, tuple(args), os.getcwd(), dict(os.environ), umask, ignored)
+        return cls(mode, target, tuple(args), os.getcwd(), dict(os.environ), umask, ignored, _own_oom_score_adj())
 
     def to_wire(self) -> dict:
         wire = asdict(self)
@@ -160,4 +162,15 @@ class RunSpec:
         ignored = spec.get("ignored_signals") or []
         if not (isinstance(ignored, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in ignored)):
             raise ValueError("run spec field 'ignored_signals' must be a list of signal numbers")
-        return cls(mode, target, tuple(argv), need("cwd", str), dict(env), need("umask", int), frozenset(ignored))
+        oom = spec.get("oom_score_adj")
+        if oom is not None and not (isinstance(oom, int) and not isinstance(oom, bool) and -1000 <= oom <= 1000):
+            raise ValueError(f"run spec field 'oom_score_adj' must be an integer in [-1000, 1000], got {oom!r:.80}")
+        return cls(mode, target, tuple(argv), need("cwd", str), dict(env), need("umask", int), frozenset(ignored), oom)
+
+
+def _own_oom_score_adj() -> Optional[int]:
+    try:
+        with open("/proc/self/oom_score_adj") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None

@@ -87,6 +87,7 @@ from overmind.shared.compiled import USED as INDUCTOR_USED
 from overmind.warm.children import Children
 from overmind.warm.compiled import PRIMING, Priming, compile_stack_held, forget_isa_list
 from overmind.warm.fork_safety import ThreadCensus, Refused, cuda_note
+from overmind.warm import oom
 
 logger = logging.getLogger(__name__)
 
@@ -454,7 +455,14 @@ class WarmInterpreter:
             key = message.key
         else:
             self._index()  # at once unless something was imported since the last time
-            pid = self.children.fork_run(message, fds, self._in_child)
+            score = message.spec.get("oom_score_adj") if isinstance(message.spec, dict) else None
+            try:
+                with oom.as_caller(score if isinstance(score, int) else None):  # Note [The cache dies first]
+                    pid = self.children.fork_run(message, fds, self._in_child)
+            except oom.CannotMatch as err:  # not this interpreter's fault: BAD_REQUEST, so it is not retired
+                P.close_fds(fds)
+                P.send_message(self.control, P.JobFailed("run", P.ErrorCode.BAD_REQUEST, str(err)))
+                return
             if pid < 0:  # not this interpreter's fault: BAD_REQUEST, so it is not retired
                 P.send_message(self.control, P.JobFailed("run", P.ErrorCode.BAD_REQUEST,
                                                          "the front end left before its run started"))
@@ -572,6 +580,7 @@ def _installed(name: str) -> bool:
 
 def interpreter_main(control_fd: int) -> None:
     _log_to_server()
+    oom.cache_first()  # Note [The cache dies first] in overmind.warm.oom
     interpreter = WarmInterpreter(socket.socket(fileno=control_fd))
     interpreter.start()
     interpreter.serve()

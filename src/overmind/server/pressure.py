@@ -1,0 +1,337 @@
+"""The cache gives way: memory let go when others need it, taken again once they are done. Stdlib only.
+
+    guard = Guard(config, registry, pool, settler, restore, stopping)
+    threading.Thread(target=guard.run).start()
+    guard.pressed()              # True while memory is short: fills and new interpreters wait
+    guard.room_for(nbytes)       # may a copy, a refill or an interpreter take that much now?
+    guard.describe()             # `overmind status`'s "memory"
+
+Note [The cache gives way]
+The server is a guest on the user's machine. Its sealed memfds are shared memory the kernel
+cannot reclaim without swap, and a write-sealed memfd cannot be hole-punched: killing the
+user's job frees nothing of them. So the server must let go itself, before the job stalls or
+is killed. One thread looks every POLL seconds at what is available to the server (the
+smallest of MemAvailable and, under each cgroup limit over it, what that limit leaves: Note
+[What is left under a limit] in overmind.shared.host_memory) and at the kernel's memory stall
+time (PSI, where the kernel keeps it). Memory is *short* when less than the headroom is
+available (``OVERMIND_HEADROOM``; by default 10 % of the memory the server may use, at least
+1 GiB and at most 8 GiB, as ComfyUI's RAM cache keeps 10 %), or when tasks stalled on memory
+for STALL_SHARE of the last look while less than twice the headroom is available.
+
+Then, once per event, it says so in the log and lets go, cheapest loss first, a step at a
+time, looking again after each, until the headroom and SLACK more are free or nothing is left:
+
+1. every copy into sealed memory stops, and the pages the settler held mapped are unmapped
+   (Note [Settling file segments] in overmind.server.settle): under pressure, memory the kernel
+   could reclaim is never turned into memory it cannot;
+2. a settled segment whose model file is unchanged is served from that file again (least
+   recently used entries' first): it stays a hit, and its pages become the page cache's, which
+   the kernel takes as it needs;
+3. a warm interpreter, least recently used first (retiring never kills work in progress: its
+   runs go on, and it exits after them);
+4. an entry, least recently used first.
+
+Clients keep their mappings (Note [Server owns segment fds] in overmind.server.daemon): what
+only clients still map is theirs, and is freed when they unmap. While memory is short, no fill
+starts (the caller loads plainly, as when the server is busy) and no interpreter starts.
+
+It comes back: once nothing was short for CALM seconds, the interpreters it retired start
+again, the files of the segments it served from the page cache and of the interpreters'
+libraries are read back (``POSIX_FADV_WILLNEED``), and the entries it evicted are refilled at
+idle priority, most recently used first (overmind.server.restore), each only if the headroom
+and SLACK stay free after it: a job that keeps its memory keeps it, and no refill fights it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from typing import Callable, Optional
+
+from overmind.shared.config import Config
+from overmind.shared.host_memory import HostMemory
+
+logger = logging.getLogger("overmind.server.pressure")
+
+__all__ = ["Guard", "default_headroom", "POLL", "CALM"]
+
+POLL = 0.1  # seconds between looks: a job that takes 2.5 GB/s crosses a 2.4 GB headroom in a second
+CALM = 5.0  # seconds with nothing short before anything comes back
+STALL_SHARE = 0.10  # of the time since the last look some task stalled on memory (PSI "some")
+SLACK_SHARE, SLACK_MAX = 0.10, 512 << 20  # freed beyond the headroom, and kept free by a comeback
+STEP_WAIT = 0.05  # seconds for a let-go to show in MemAvailable before the next look
+KINDS = ("copies", "unsettled", "unsettled_bytes", "interpreters", "entries", "entry_bytes")
+
+
+def default_headroom(limit: int) -> int:
+    """10 % of ``limit``, at least 1 GiB (but a quarter of ``limit`` at most), at most 8 GiB."""
+    return min(max(limit // 10, min(1 << 30, limit // 4)), 8 << 30)
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+class Guard:
+    """The one thread that watches memory and lets the cache go and come back (Note [The cache gives way])."""
+
+    def __init__(self, config: Config, registry, pool, settler, restore, stopping: threading.Event,
+                 host: Optional[HostMemory] = None) -> None:
+        self.registry = registry  # overmind.server.registry.Registry
+        self.pool = pool  # overmind.server.pool.WarmPool
+        self.settler = settler  # overmind.server.settle.Settler
+        self.restore = restore  # overmind.server.restore.Restore
+        self.stopping = stopping
+        self.host = host or HostMemory.read()
+        limit = self.host.limit.bytes
+        self.headroom = min(config.headroom, limit) if config.headroom is not None else default_headroom(limit)
+        self.slack = min(int(self.headroom * SLACK_SHARE), SLACK_MAX)
+        self.lock = threading.Lock()  # the fields below; the thread writes, status and others read
+        self._pressed = False
+        self._calm_since = time.monotonic()
+        self._available = self.host.available()
+        self._stall: Optional[tuple[float, int]] = None  # (when, PSI some total µs) at the last look
+        self.events = 0
+        self.last_event: Optional[dict] = None
+        self.totals = dict.fromkeys(KINDS, 0)
+        self._gone_interpreters: list = []  # (context, env, pss) retired under pressure, to start again
+        self._gone_entries: list = []  # keys evicted under pressure, to refill
+        self._unsettled: list = []  # (dev, ino) of file segments served from their files again
+        self._coming_back: Optional[threading.Thread] = None
+        self.comeback = {"state": "idle", "pending": 0, "done": 0}
+
+    # -- what others ask -----------------------------------------------------------------------
+
+    def pressed(self) -> bool:
+        return self._pressed
+
+    def room_for(self, nbytes: int) -> bool:
+        """May the cache take ``nbytes`` more now, keeping the headroom and SLACK free after it?"""
+        if self._pressed or time.monotonic() - self._calm_since < CALM:
+            return False
+        return self.host.available() - nbytes >= self.headroom + self.slack
+
+    def describe(self) -> dict:
+        with self.lock:
+            return {**self.host.describe(), "available": self._available, "headroom": self.headroom,
+                    "pressed": self._pressed, "events": self.events,
+                    "last_event": None if self.last_event is None else
+                    {**self.last_event, "let_go": dict(self.last_event["let_go"])},
+                    "let_go": dict(self.totals), "comeback": dict(self.comeback)}
+
+    # -- the thread ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self.stopping.wait(POLL):
+            try:
+                self.tick()
+            except Exception:  # pragma: no cover - reported; the next look tries again
+                logger.exception("looking at memory failed")
+
+    def tick(self) -> None:
+        available = self.host.available()
+        stalled = self._stalled()
+        with self.lock:
+            self._available = available
+        short = available < self.headroom or (stalled >= STALL_SHARE and available < 2 * self.headroom)
+        if short and not self._pressed:
+            self._begin(available, stalled)
+        if self._pressed:
+            if available >= self.headroom + self.slack and stalled < STALL_SHARE:
+                self._end(available)
+            else:
+                self._let_go(available)
+        elif time.monotonic() - self._calm_since >= CALM and (self._gone_interpreters or self._gone_entries
+                                                              or self._unsettled):
+            self._come_back()
+
+    def _stalled(self) -> float:
+        """The share of the time since the last look that some task stalled on memory (PSI), or 0."""
+        stall, now = self.host.pressure(), time.monotonic()
+        if stall is None:
+            return 0.0
+        last, self._stall = self._stall, (now, stall.some_total_us)
+        if last is None or now <= last[0]:
+            return 0.0
+        return max(0, stall.some_total_us - last[1]) / 1e6 / (now - last[0])
+
+    def _begin(self, available: int, stalled: float) -> None:
+        why = (f"{_gib(available)} available, under the headroom of {_gib(self.headroom)}"
+               if available < self.headroom else f"tasks stalled on memory {stalled:.0%} of the time, "
+                                                 f"{_gib(available)} available")
+        logger.warning("memory is short (%s; %s): letting go of the cache", why, self.host.limit.source)
+        with self.lock:
+            self._pressed = True
+            self.events += 1
+            self.last_event = {"started": time.time(), "why": why, "available": available, "ended": None,
+                               "seconds": None, "let_go": dict.fromkeys(KINDS, 0)}
+            self._event_start = time.monotonic()
+        if self.settler.copying is not None:
+            self._count("copies", 1)  # the settler sees pressed() between chunks and drops its copy
+
+    def _end(self, available: int) -> None:
+        with self.lock:
+            self._pressed = False
+            self._calm_since = time.monotonic()
+            event = self.last_event
+            if event is not None:
+                event["ended"] = time.time()
+                if event["seconds"] is None:
+                    event["seconds"] = round(time.monotonic() - self._event_start, 3)
+        logger.info("memory is no longer short (%s available)%s", _gib(available),
+                    f"; what was let go comes back after {CALM:g}s of calm" if self._gone_interpreters or
+                    self._gone_entries or self._unsettled else "")
+
+    def _count(self, kind: str, n: int) -> None:
+        with self.lock:
+            self.totals[kind] += n
+            if self.last_event is not None:
+                self.last_event["let_go"][kind] += n
+
+    def _let_go(self, available: int) -> None:
+        """Steps, cheapest loss first, until the headroom and slack are free or nothing is left."""
+        target = self.headroom + self.slack
+        while available < target and not self.stopping.is_set():
+            if not self._step():
+                self._finished_letting_go(available, "nothing more to let go")
+                return
+            self.stopping.wait(STEP_WAIT)
+            available = self.host.available()
+            with self.lock:
+                self._available = available
+        self._finished_letting_go(available, "the headroom is free again")
+
+    def _finished_letting_go(self, available: int, how: str) -> None:
+        with self.lock:
+            event = self.last_event
+            if event is None or event["seconds"] is not None:
+                return
+            event["seconds"] = round(time.monotonic() - self._event_start, 3)
+            let_go = dict(event["let_go"])
+        logger.warning("let go in %.2fs (%s; %s available): %d file segments (%s) served from their files again, "
+                       "%d warm interpreters retired, %d entries (%s) evicted", event["seconds"], how,
+                       _gib(available), let_go["unsettled"], _gib(let_go["unsettled_bytes"]), let_go["interpreters"],
+                       let_go["entries"], _gib(let_go["entry_bytes"]))
+
+    def _step(self) -> bool:
+        """Let go of one thing, the cheapest first; False when there is nothing left."""
+        order = self.registry.segments_least_recent_first()
+        unsettled = self.settler.unsettle_one(order)
+        if unsettled is not None:
+            ident, nbytes = unsettled
+            self._unsettled.append(ident)
+            self._count("unsettled", 1)
+            self._count("unsettled_bytes", nbytes)
+            return True
+        retired = self.pool.retire_for_memory()
+        if retired is not None:
+            self._gone_interpreters.append(retired)
+            self._count("interpreters", 1)
+            return True
+        evicted = self.registry.evict_least_recent()
+        if evicted is not None:
+            key, description, nbytes = evicted
+            logger.info("evicted %s (%s, %s) for memory", key[:16], description, _gib(nbytes))
+            self._gone_entries.append(key)
+            self._count("entries", 1)
+            self._count("entry_bytes", nbytes)
+            return True
+        return False
+
+    # -- coming back ---------------------------------------------------------------------------
+
+    def _come_back(self) -> None:
+        if self._coming_back is not None and self._coming_back.is_alive():
+            return
+        interpreters, self._gone_interpreters = self._gone_interpreters, []
+        entries, self._gone_entries = self._gone_entries, []
+        files, self._unsettled = self._unsettled, []
+        with self.lock:
+            self.comeback = {"state": "coming back", "pending": len(interpreters) + len(entries),
+                             "done": self.comeback["done"]}
+        self._coming_back = threading.Thread(target=self._bring_back, args=(interpreters, entries, files),
+                                             daemon=True, name="overmind-comeback")
+        self._coming_back.start()
+
+    def _bring_back(self, interpreters: list, entries: list, files: list) -> None:
+        """Interpreters first (a run's start is most of what a user waits for), then the pages of
+        the files served again and of the interpreters' libraries, then the entries, newest first."""
+        left_interpreters, left_entries = [], []
+        for context, env, pss in reversed(interpreters):  # most recently used first
+            if self.room_for(pss):
+                logger.info("memory is free again: starting the warm interpreter of context %s", context.key)
+                self.pool.prepare(context, env=env)
+                self._done(1)
+            else:
+                left_interpreters.append((context, env, pss))
+        self._read_back(files)
+        for pid in self.pool.pids():
+            read_back_mapped_files(pid, self.room_for)
+        refilled, left_entries = self.restore.bring_back(list(reversed(entries)), self.room_for)
+        self._done(refilled)
+        left_entries.reverse()
+        left_interpreters.reverse()
+        # what found no room waits for the next calm; anything let go meanwhile joins it
+        self._gone_interpreters[:0] = left_interpreters
+        self._gone_entries[:0] = left_entries
+        with self.lock:
+            self.comeback["state"] = "waiting for room" if left_interpreters or left_entries else "idle"
+            self.comeback["pending"] = len(left_interpreters) + len(left_entries)
+        if refilled or interpreters:
+            logger.info("came back after memory was short: %d warm interpreters, %d entries; %d wait for room",
+                        len(interpreters) - len(left_interpreters), refilled,
+                        len(left_interpreters) + len(left_entries))
+
+    def _done(self, n: int) -> None:
+        with self.lock:
+            self.comeback["done"] += n
+            self.comeback["pending"] = max(0, self.comeback["pending"] - n)
+
+    def _read_back(self, idents: list) -> None:
+        """The page cache pages of the file segments served from their files again, where they fit."""
+        wanted = set(idents)
+        for ident, size, fd in self.registry.file_segments():
+            try:
+                if ident in wanted and self.room_for(size):
+                    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def read_back_mapped_files(pid: int, room_for: Callable[[int], bool]) -> int:
+    """Ask the kernel to read back the files process ``pid`` maps (a warm interpreter's
+    libraries, which a job that needed the memory pushed out of the page cache); bytes asked."""
+    paths: dict = {}
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/") and fields[4] != "0":
+                    paths[fields[5].rstrip("\n")] = None
+    except OSError:
+        return 0
+    asked = 0
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # deleted, or not ours to read
+        try:
+            st = os.fstat(fd)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if not room_for(size):
+                break
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+            asked += size
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return asked
