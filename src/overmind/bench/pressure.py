@@ -187,7 +187,9 @@ def run_job(target: int, hold: float, poll: Optional[Callable[[], None]] = None)
     start = time.monotonic()
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(child.stdout), daemon=True)
+    stdout = child.stdout
+    assert stdout is not None  # stdout=PIPE
+    reader = threading.Thread(target=lambda: lines.extend(stdout), daemon=True)
     reader.start()
     try:
         while child.poll() is None:

@@ -79,19 +79,20 @@ class Guard:
     """The one thread that watches memory and lets the cache go and come back (Note [The cache gives way])."""
 
     def __init__(self, config: Config, registry, pool, settler, restore, stopping: threading.Event,
-                 host: Optional[HostMemory] = None) -> None:
+                 host: Optional[HostMemory] = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry  # overmind.server.registry.Registry
         self.pool = pool  # overmind.server.pool.WarmPool
         self.settler = settler  # overmind.server.settle.Settler
         self.restore = restore  # overmind.server.restore.Restore
         self.stopping = stopping
+        self.clock = clock  # what calm and stalls are timed by; tests step their own
         self.host = host or HostMemory.read()
         limit = self.host.limit.bytes
         self.headroom = min(config.headroom, limit) if config.headroom is not None else default_headroom(limit)
         self.slack = min(int(self.headroom * SLACK_SHARE), SLACK_MAX)
         self.lock = threading.Lock()  # the fields below; the thread writes, status and others read
         self._pressed = False
-        self._calm_since = time.monotonic()
+        self._calm_since = self.clock() - CALM  # a fresh server has seen no pressure
         self._available = self.host.available()
         self._stall: Optional[tuple[float, int]] = None  # (when, PSI some total µs) at the last look
         self.events = 0
@@ -110,7 +111,7 @@ class Guard:
 
     def room_for(self, nbytes: int) -> bool:
         """May the cache take ``nbytes`` more now, keeping the headroom and SLACK free after it?"""
-        if self._pressed or time.monotonic() - self._calm_since < CALM:
+        if self._pressed or self.clock() - self._calm_since < CALM:
             return False
         return self.host.available() - nbytes >= self.headroom + self.slack
 
@@ -144,13 +145,13 @@ class Guard:
                 self._end(available)
             else:
                 self._let_go(available)
-        elif time.monotonic() - self._calm_since >= CALM and (self._gone_interpreters or self._gone_entries
+        elif self.clock() - self._calm_since >= CALM and (self._gone_interpreters or self._gone_entries
                                                               or self._unsettled):
             self._come_back()
 
     def _stalled(self) -> float:
         """The share of the time since the last look that some task stalled on memory (PSI), or 0."""
-        stall, now = self.host.pressure(), time.monotonic()
+        stall, now = self.host.pressure(), self.clock()
         if stall is None:
             return 0.0
         last, self._stall = self._stall, (now, stall.some_total_us)
@@ -168,19 +169,19 @@ class Guard:
             self.events += 1
             self.last_event = {"started": time.time(), "why": why, "available": available, "ended": None,
                                "seconds": None, "let_go": dict.fromkeys(KINDS, 0)}
-            self._event_start = time.monotonic()
+            self._event_start = self.clock()
         if self.settler.copying is not None:
             self._count("copies", 1)  # the settler sees pressed() between chunks and drops its copy
 
     def _end(self, available: int) -> None:
         with self.lock:
             self._pressed = False
-            self._calm_since = time.monotonic()
+            self._calm_since = self.clock()
             event = self.last_event
             if event is not None:
                 event["ended"] = time.time()
                 if event["seconds"] is None:
-                    event["seconds"] = round(time.monotonic() - self._event_start, 3)
+                    event["seconds"] = round(self.clock() - self._event_start, 3)
         logger.info("memory is no longer short (%s available)%s", _gib(available),
                     f"; what was let go comes back after {CALM:g}s of calm" if self._gone_interpreters or
                     self._gone_entries or self._unsettled else "")
@@ -209,7 +210,7 @@ class Guard:
             event = self.last_event
             if event is None or event["seconds"] is not None:
                 return
-            event["seconds"] = round(time.monotonic() - self._event_start, 3)
+            event["seconds"] = round(self.clock() - self._event_start, 3)
             let_go = dict(event["let_go"])
         logger.warning("let go in %.2fs (%s; %s available): %d file segments (%s) served from their files again, "
                        "%d warm interpreters retired, %d entries (%s) evicted", event["seconds"], how,
