@@ -29,7 +29,8 @@ time, looking again after each, until the headroom and SLACK more are free or no
    the kernel takes as it needs;
 3. a warm interpreter, least recently used first (retiring never kills work in progress: its
    runs go on, and it exits after them);
-4. an entry, least recently used first.
+4. an entry that holds a sealed memfd, least recently used first (one served from its model
+   files alone holds only page cache, which the kernel takes itself: it stays a hit).
 
 Clients keep their mappings (Note [Server owns segment fds] in overmind.server.daemon): what
 only clients still map is theirs, and is freed when they unmap. While memory is short, no fill

@@ -298,13 +298,15 @@ class Registry:
             return list(order)
 
     def evict_least_recent(self) -> Optional[tuple[str, str, int]]:
-        """Evict the least recently used entry: its (key, description, bytes it alone held), or None
-        when there is none (overmind.server.pressure)."""
+        """Evict the least recently used entry that holds a sealed memfd: its (key, description, bytes
+        it alone held), or None when there is none (overmind.server.pressure). One served from model
+        files alone holds only page cache, which the kernel reclaims itself: it stays a hit."""
         with self._lock:
-            if not self._entries:
+            holding = [e for e in self._entries.values() if any((d, n) not in e.files for d, n, _ in e.segments)]
+            if not holding:
                 return None
             holders = self._holders()
-            victim = min(self._entries.values(), key=lambda e: e.last_used)
+            victim = min(holding, key=lambda e: e.last_used)
             owned = sum(size for dev, ino, size in victim.segments if len(holders[(dev, ino)][1]) == 1)
             del self._entries[victim.key]
             self.evictions += 1
