@@ -149,6 +149,9 @@ def test_the_guard_waits_for_the_headroom_and_slack_then_calm_before_room_for_mo
     assert guard.pressed()
     _proc(tmp_path, 24 * GIB, 4 * GIB)
     guard.tick()
+    assert guard.pressed()  # one job's growth is one event: it ends once nothing was short for a while
+    clock.now += pressure.END_AFTER
+    guard.tick()
     assert not guard.pressed() and guard.describe()["last_event"]["ended"] is not None
     assert not guard.room_for(0)  # calm first
     clock.now += pressure.CALM

@@ -50,10 +50,12 @@ import os
 import stat
 import threading
 import time
+from collections import deque
 from typing import Callable, Optional
 
 from overmind.shared.config import Config
 from overmind.shared.host_memory import HostMemory
+from overmind.shared.memfd import RESIDENT, cached_share, hold_pages
 
 logger = logging.getLogger("overmind.server.pressure")
 
@@ -61,7 +63,9 @@ __all__ = ["Guard", "default_headroom", "POLL", "CALM"]
 
 POLL = 0.1  # seconds between looks: a job that takes 2.5 GB/s crosses a 2.4 GB headroom in a second
 CALM = 5.0  # seconds with nothing short before anything comes back
-STALL_SHARE = 0.10  # of the time since the last look some task stalled on memory (PSI "some")
+STALL_SHARE = 0.10  # of STALL_WINDOW some task stalled on memory (PSI "some")
+STALL_WINDOW = 1.0  # seconds stalls are summed over
+END_AFTER = 1.0  # seconds nothing is short before an event ends (one job's growth is one event)
 SLACK_SHARE, SLACK_MAX = 0.10, 512 << 20  # freed beyond the headroom, and kept free by a comeback
 STEP_WAIT = 0.05  # seconds for a let-go to show in MemAvailable before the next look
 KINDS = ("copies", "unsettled", "unsettled_bytes", "interpreters", "entries", "entry_bytes")
@@ -95,15 +99,18 @@ class Guard:
         self._pressed = False
         self._calm_since = self.clock() - CALM  # a fresh server has seen no pressure
         self._available = self.host.available()
-        self._stall: Optional[tuple[float, int]] = None  # (when, PSI some total µs) at the last look
+        self._stalls: deque = deque()  # (when, PSI "some" total µs) over the last STALL_WINDOW
+        self._stall_step = 0.0  # when stalls last made it let go of one thing
+        self._fine_since = 0.0  # since when, in an event, nothing was short
+        self._read_back_owed = False  # an event pushed pages out: Note [The cache gives way]
         self.events = 0
         self.last_event: Optional[dict] = None
         self.totals = dict.fromkeys(KINDS, 0)
         self._gone_interpreters: list = []  # (context, env, pss) retired under pressure, to start again
         self._gone_entries: list = []  # keys evicted under pressure, to refill
-        self._unsettled: list = []  # (dev, ino) of file segments served from their files again
         self._coming_back: Optional[threading.Thread] = None
-        self.comeback = {"state": "idle", "pending": 0, "done": 0}
+        self._bringing = 0  # what the comeback thread is bringing back now
+        self._brought = 0  # what came back
 
     # -- what others ask -----------------------------------------------------------------------
 
@@ -122,7 +129,7 @@ class Guard:
                     "pressed": self._pressed, "events": self.events,
                     "last_event": None if self.last_event is None else
                     {**self.last_event, "let_go": dict(self.last_event["let_go"])},
-                    "let_go": dict(self.totals), "comeback": dict(self.comeback)}
+                    "let_go": dict(self.totals), "comeback": self._comeback()}
 
     # -- the thread ----------------------------------------------------------------------------
 
@@ -134,31 +141,39 @@ class Guard:
                 logger.exception("looking at memory failed")
 
     def tick(self) -> None:
-        available = self.host.available()
-        stalled = self._stalled()
+        now, available = self.clock(), self.host.available()
+        stalled = self._stalled(now)
         with self.lock:
             self._available = available
-        short = available < self.headroom or (stalled >= STALL_SHARE and available < 2 * self.headroom)
-        if short and not self._pressed:
+        low, target = available < 2 * self.headroom, self.headroom + self.slack
+        if not self._pressed and (available < self.headroom or (stalled >= STALL_SHARE and low)):
             self._begin(available, stalled)
         if self._pressed:
-            if available >= self.headroom + self.slack and stalled < STALL_SHARE:
-                self._end(available)
-            else:
+            if available >= target and stalled < STALL_SHARE:
+                if now - self._fine_since >= END_AFTER:
+                    self._end(available)
+                return
+            self._fine_since = now
+            if available < target:
                 self._let_go(available)
-        elif self.clock() - self._calm_since >= CALM and (self._gone_interpreters or self._gone_entries
-                                                              or self._unsettled):
+            elif stalled >= STALL_SHARE and low and now - self._stall_step >= STALL_WINDOW:
+                self._stall_step = now  # stalls with memory getting low: one step a window
+                self._let_go(available, steps=1)
+        elif now - self._calm_since >= CALM and self._owed():
             self._come_back()
 
-    def _stalled(self) -> float:
-        """The share of the time since the last look that some task stalled on memory (PSI), or 0."""
-        stall, now = self.host.pressure(), self.clock()
+    def _stalled(self, now: float) -> float:
+        """The share of the last STALL_WINDOW that some task stalled on memory (PSI), or 0."""
+        stall = self.host.pressure()
         if stall is None:
             return 0.0
-        last, self._stall = self._stall, (now, stall.some_total_us)
-        if last is None or now <= last[0]:
+        self._stalls.append((now, stall.some_total_us))
+        while len(self._stalls) > 2 and now - self._stalls[1][0] >= STALL_WINDOW:
+            self._stalls.popleft()
+        then, total = self._stalls[0]
+        if now - then < STALL_WINDOW / 2:
             return 0.0
-        return max(0, stall.some_total_us - last[1]) / 1e6 / (now - last[0])
+        return max(0, stall.some_total_us - total) / 1e6 / (now - then)
 
     def _begin(self, available: int, stalled: float) -> None:
         why = (f"{_gib(available)} available, under the headroom of {_gib(self.headroom)}"
@@ -167,6 +182,8 @@ class Guard:
         logger.warning("memory is short (%s; %s): letting go of the cache", why, self.host.limit.source)
         with self.lock:
             self._pressed = True
+            self._read_back_owed = True  # the pages it pushes out come back after
+            self._fine_since = self.clock()
             self.events += 1
             self.last_event = {"started": time.time(), "why": why, "available": available, "ended": None,
                                "seconds": None, "let_go": dict.fromkeys(KINDS, 0)}
@@ -184,8 +201,7 @@ class Guard:
                 if event["seconds"] is None:
                     event["seconds"] = round(self.clock() - self._event_start, 3)
         logger.info("memory is no longer short (%s available)%s", _gib(available),
-                    f"; what was let go comes back after {CALM:g}s of calm" if self._gone_interpreters or
-                    self._gone_entries or self._unsettled else "")
+                    f"; what was let go comes back after {CALM:g}s of calm" if self._owed() else "")
 
     def _count(self, kind: str, n: int) -> None:
         with self.lock:
@@ -193,18 +209,23 @@ class Guard:
             if self.last_event is not None:
                 self.last_event["let_go"][kind] += n
 
-    def _let_go(self, available: int) -> None:
-        """Steps, cheapest loss first, until the headroom and slack are free or nothing is left."""
+    def _let_go(self, available: int, steps: int = 1 << 30) -> None:
+        """Steps, cheapest loss first, until the headroom and slack are free (or ``steps`` were
+        taken), or nothing is left."""
         target = self.headroom + self.slack
-        while available < target and not self.stopping.is_set():
+        while steps > 0 and not self.stopping.is_set():
             if not self._step():
                 self._finished_letting_go(available, "nothing more to let go")
                 return
+            steps -= 1
             self.stopping.wait(STEP_WAIT)
             available = self.host.available()
             with self.lock:
                 self._available = available
-        self._finished_letting_go(available, "the headroom is free again")
+            if available >= target:
+                break
+        if available >= target:
+            self._finished_letting_go(available, "the headroom is free again")
 
     def _finished_letting_go(self, available: int, how: str) -> None:
         with self.lock:
@@ -224,7 +245,6 @@ class Guard:
         unsettled = self.settler.unsettle_one(order)
         if unsettled is not None:
             ident, nbytes = unsettled
-            self._unsettled.append(ident)
             self._count("unsettled", 1)
             self._count("unsettled_bytes", nbytes)
             return True
@@ -245,64 +265,91 @@ class Guard:
 
     # -- coming back ---------------------------------------------------------------------------
 
+    def _owed(self) -> bool:
+        return bool(self._gone_interpreters or self._gone_entries or self._read_back_owed)
+
+    def _comeback(self) -> dict:
+        """Under self.lock."""
+        pending = len(self._gone_interpreters) + len(self._gone_entries) + int(self._read_back_owed) + self._bringing
+        if self._coming_back is not None and self._coming_back.is_alive():
+            state = "coming back"
+        elif not pending:
+            state = "idle"
+        elif self._pressed or self.clock() - self._calm_since < CALM:
+            state = "waiting for calm"
+        else:
+            state = "waiting for room"
+        return {"state": state, "pending": pending, "done": self._brought}
+
     def _come_back(self) -> None:
         if self._coming_back is not None and self._coming_back.is_alive():
             return
-        interpreters, self._gone_interpreters = self._gone_interpreters, []
-        entries, self._gone_entries = self._gone_entries, []
-        files, self._unsettled = self._unsettled, []
         with self.lock:
-            self.comeback = {"state": "coming back", "pending": len(interpreters) + len(entries),
-                             "done": self.comeback["done"]}
-        self._coming_back = threading.Thread(target=self._bring_back, args=(interpreters, entries, files),
-                                             daemon=True, name="overmind-comeback")
+            interpreters, self._gone_interpreters = self._gone_interpreters, []
+            entries, self._gone_entries = self._gone_entries, []
+            read_back, self._read_back_owed = self._read_back_owed, False
+            self._bringing = len(interpreters) + len(entries) + int(read_back)
+            self._coming_back = threading.Thread(target=self._bring_back, args=(interpreters, entries, read_back),
+                                                 daemon=True, name="overmind-comeback")
         self._coming_back.start()
 
-    def _bring_back(self, interpreters: list, entries: list, files: list) -> None:
-        """Interpreters first (a run's start is most of what a user waits for), then the pages of
-        the files served again and of the interpreters' libraries, then the entries, newest first."""
-        left_interpreters, left_entries = [], []
-        for context, env, pss in reversed(interpreters):  # most recently used first
-            if self.room_for(pss):
-                logger.info("memory is free again: starting the warm interpreter of context %s", context.key)
-                self.pool.prepare(context, env=env)
-                self._done(1)
-            else:
-                left_interpreters.append((context, env, pss))
-        self._read_back(files)
-        for pid in self.pool.pids():
-            read_back_mapped_files(pid, self.room_for)
-        refilled, left_entries = self.restore.bring_back(list(reversed(entries)), self.room_for)
-        self._done(refilled)
-        left_entries.reverse()
-        left_interpreters.reverse()
-        # what found no room waits for the next calm; anything let go meanwhile joins it
-        self._gone_interpreters[:0] = left_interpreters
-        self._gone_entries[:0] = left_entries
-        with self.lock:
-            self.comeback["state"] = "waiting for room" if left_interpreters or left_entries else "idle"
-            self.comeback["pending"] = len(left_interpreters) + len(left_entries)
-        if refilled or interpreters:
-            logger.info("came back after memory was short: %d warm interpreters, %d entries; %d wait for room",
-                        len(interpreters) - len(left_interpreters), refilled,
+    def _bring_back(self, interpreters: list, entries: list, read_back: bool) -> None:
+        """Interpreters first (a run's start is most of what a user waits for), then the pages the
+        event pushed out (the model files the cache serves from, the interpreters' libraries), then
+        the entries, newest first; what finds no room waits for the next calm."""
+        left_interpreters: list = []
+        try:
+            for context, env, pss in reversed(interpreters):  # the most recently used first
+                if self.room_for(pss):
+                    logger.info("memory is free again: starting the warm interpreter of context %s", context.key)
+                    self.pool.prepare(context, env=env)
+                    self._brought_back(1)
+                else:
+                    left_interpreters.insert(0, (context, env, pss))
+            if read_back:
+                asked = self._read_back_files() + sum(read_back_mapped_files(pid, self.room_for)
+                                                       for pid in self.pool.pids())
+                logger.info("read back %s of model files and warm interpreters' libraries", _gib(asked))
+                self._brought_back(1)
+            refilled, left_entries = self.restore.bring_back(list(reversed(entries)), self.room_for) \
+                if entries else (0, [])
+            self._brought_back(len(entries))
+        finally:
+            with self.lock:
+                self._bringing = 0
+                self._gone_interpreters[:0] = left_interpreters  # anything let go meanwhile comes after
+                self._gone_entries[:0] = list(reversed(left_entries))
+        if interpreters or entries:
+            logger.info("came back after memory was short: %d warm interpreters, %d entries refilled; %d wait for "
+                        "room", len(interpreters) - len(left_interpreters), refilled,
                         len(left_interpreters) + len(left_entries))
 
-    def _done(self, n: int) -> None:
+    def _brought_back(self, n: int) -> None:
         with self.lock:
-            self.comeback["done"] += n
-            self.comeback["pending"] = max(0, self.comeback["pending"] - n)
+            self._brought += n
+            self._bringing = max(0, self._bringing - n)
 
-    def _read_back(self, idents: list) -> None:
-        """The page cache pages of the file segments served from their files again, where they fit."""
-        wanted = set(idents)
+    def _read_back_files(self) -> int:
+        """Read the model files the cache serves from back into the page cache (the most recently
+        used entries' first), each where it fits: their next hits then cost no disk."""
+        asked = 0
         for ident, size, fd in self.registry.file_segments():
             try:
-                if ident in wanted and self.room_for(size):
-                    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
+                share = cached_share(fd, size)
+                missing = size if share is None else int(size * (1 - share))
+                if missing > 0 and (share is None or share < RESIDENT) and self.room_for(missing):
+                    populate(fd, size)
+                    asked += missing
             finally:
                 os.close(fd)
+        return asked
+
+
+def populate(fd: int, size: int) -> None:
+    """Read the file ``fd``'s first ``size`` bytes into the page cache, now (nothing copied to us)."""
+    mapping = hold_pages(fd, size)
+    if mapping is not None:
+        mapping.close()
 
 
 def read_back_mapped_files(pid: int, room_for: Callable[[int], bool]) -> int:
@@ -330,7 +377,7 @@ def read_back_mapped_files(pid: int, room_for: Callable[[int], bool]) -> int:
                 continue
             if not room_for(size):
                 break
-            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+            populate(fd, size)
             asked += size
         except OSError:
             pass
