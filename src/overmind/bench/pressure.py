@@ -308,8 +308,19 @@ def _until(predicate: Callable[[dict], bool], server: "BenchServer", timeout: fl
         time.sleep(0.2)
 
 
-def _runs(server: "BenchServer", folder: Path, pairs: int) -> dict:
-    """``overmind run`` and plain ``python`` of the ControlNet script in pairs, then one patched run."""
+def _plain(server: "BenchServer", folder: Path, n: int) -> list:
+    """Plain ``python`` of the ControlNet script ``n`` times before the job: the reference the next
+    run after it is held to (the job leaves the page cache cold for plain as well)."""
+    runs = []
+    for _ in range(n):
+        server.wait_idle()
+        runs.append(_time([sys.executable, "controlnet.py"], server.client_env(), str(folder)))
+    return runs
+
+
+def _runs(server: "BenchServer", folder: Path, pairs: int, plain_before: list) -> dict:
+    """``overmind run`` and plain ``python`` of the ControlNet script in pairs, then one patched run.
+    The target is the first run's (the next after the job) over plain's median before the job."""
     from overmind.bench.whole import front_end
 
     python, patched_env = [sys.executable], server.client_env({"OVERMIND": "1"})
@@ -322,9 +333,13 @@ def _runs(server: "BenchServer", folder: Path, pairs: int) -> dict:
     patched = _time(python + ["controlnet.py"], patched_env, str(folder))
     medians = {mode: statistics.median(t["exit"] for t in runs) for mode, runs in timed.items()}
     weights = timed["plain"][0]["weights"]
+    before = statistics.median(t["exit"] for t in plain_before)
     return {"controlnet": timed, "median_exit": medians, "patched": patched, "next_run_exit": timed["run"][0]["exit"],
-            "run_over_plain": medians["run"] / medians["plain"],
-            "weights_equal": all(t["weights"] == weights for t in [*timed["run"], *timed["plain"], patched])}
+            "plain_before": plain_before, "plain_before_median": before,
+            "run_over_plain": timed["run"][0]["exit"] / before,
+            "median_run_over_plain_after": medians["run"] / medians["plain"],
+            "weights_equal": all(t["weights"] == weights for t in [*timed["run"], *timed["plain"], *plain_before,
+                                                                  patched])}
 
 
 def _beside_cache(server: "BenchServer", folder: Path, target: int, hold: float, pairs: int, results: dict,
@@ -345,6 +360,9 @@ def _beside_cache(server: "BenchServer", folder: Path, target: int, hold: float,
         "settled_seconds": settled}
     say(f"the full cache: {cache['entries']} entries, {_gib(cache['used'])}, {cache['interpreters']} interpreters, "
         f"MemAvailable {_gib(cache['available'])}{'' if settled is not None else ' (not settled after 60 s)'}")
+    plain_before = _plain(server, folder, pairs)
+    say(f"plain python of the ControlNet script before the job: "
+        f"{statistics.median(t['exit'] for t in plain_before):.2f} s (median of {pairs})")
     oom_before = oom_lines()
     watch = Watch(server)
     beside = run_job(target, hold, poll=watch)
@@ -369,7 +387,7 @@ def _beside_cache(server: "BenchServer", folder: Path, target: int, hold: float,
                              "comeback": (status.get("memory") or {}).get("comeback")}
     say(f"warm again: {'not within 90' if seconds is None else f'{seconds:.1f}'} s after the job exited "
         f"({status.get('entries')} entries, {_gib(status.get('used'))})")
-    results["runs"] = _runs(server, folder, pairs)
+    results["runs"] = _runs(server, folder, pairs, plain_before)
 
 
 def run(scale: str, margin: float, hold: float, pairs: int, say: Callable[[str], None]) -> dict:
@@ -399,6 +417,9 @@ def run(scale: str, margin: float, hold: float, pairs: int, say: Callable[[str],
         _beside_cache(server, folder, target, hold, pairs, results, say)
     finally:
         if server is not None:
+            log = Path(tempfile.gettempdir()) / f"om-bench-pressure-{os.getpid()}.log"
+            log.write_text(server.log())
+            results["server_log"] = str(log)
             server.stop()
         shutil.rmtree(folder, ignore_errors=True)
     results["targets"] = check_targets(results)
@@ -446,7 +467,8 @@ def table(results: dict) -> str:
              f"the job started, let go in {_num(beside.get('let_go_seconds'), ' s')}; its bytes were 0 after "
              f"{_num(beside.get('used_empty_seconds'), ' s')}",
              f"  warm again {_num(warm.get('seconds'), ' s')} after the job exited; the next overmind run "
-             f"{_num(runs.get('next_run_exit'), ' s')}; overmind run over plain {_num(runs.get('run_over_plain'))}"]
+             f"{_num(runs.get('next_run_exit'), ' s')}, over plain before the job "
+             f"({_num(runs.get('plain_before_median'), ' s')}) {_num(runs.get('run_over_plain'))}"]
     for name, row in (results.get("targets") or {}).items():
         verdict = {True: "pass", False: "FAIL", None: "n/a"}[row["pass"]]
         show = _gib if "available" in name else _num

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import subprocess
 import threading
 import time
 import weakref
@@ -324,7 +325,7 @@ class WarmPool:
             total -= sizes[interpreter.proc.pid]
             self._retire(interpreter, "over OVERMIND_WARM_MEMORY")
 
-    def retire_for_memory(self) -> tuple | None:
+    def retire_for_memory(self, wait: float = 2.0) -> tuple | None:
         """Retire the least recently used interpreter that is not being asked to fork right now, for
         memory (Note [The cache gives way] in overmind.server.pressure): its (context, the
         environment it imported under, its PSS), to start it again later; None if there is none.
@@ -339,6 +340,10 @@ class WarmPool:
             else:  # still importing: it has no child yet, and takes more memory every second
                 logger.info("stopping warm interpreter %d, still importing (memory is short)", interpreter.proc.pid)
                 self._discard(interpreter)
+            try:  # its memory is back only once it exited (at once, unless a run or load of it goes on)
+                interpreter.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                pass
             return interpreter.context, interpreter.start_env, pss
         return None
 

@@ -36,11 +36,18 @@ Clients keep their mappings (Note [Server owns segment fds] in overmind.server.d
 only clients still map is theirs, and is freed when they unmap. While memory is short, no fill
 starts (the caller loads plainly, as when the server is busy) and no interpreter starts.
 
+An event is one job's growth: it ends once nothing was short for END_AFTER. An entry is
+evicted only for the sealed memory it alone holds: those that free less than EVICT_WORTH (a
+model file's buffers) go last, and a retired interpreter is waited for (it exits at once
+without a child) before the next step, so its memory is counted before more goes.
+
 It comes back: once nothing was short for CALM seconds, the interpreters it retired start
-again, the files of the segments it served from the page cache and of the interpreters'
-libraries are read back (``POSIX_FADV_WILLNEED``), and the entries it evicted are refilled at
-idle priority, most recently used first (overmind.server.restore), each only if the headroom
-and SLACK stay free after it: a job that keeps its memory keeps it, and no refill fights it.
+again, the entries it evicted are refilled at idle priority, most recently used first, each
+after those it refers to (overmind.server.restore), and the pages the event pushed out of the
+page cache are read back (the model files the cache serves from, the interpreters' libraries:
+a job that needed the memory leaves them on disk, and the next run would read them there).
+Each only if the headroom and SLACK stay free after it: a job that keeps its memory keeps it,
+and no refill fights it. ``overmind status`` counts what is still owed as pending.
 """
 
 from __future__ import annotations
@@ -294,9 +301,9 @@ class Guard:
         self._coming_back.start()
 
     def _bring_back(self, interpreters: list, entries: list, read_back: bool) -> None:
-        """Interpreters first (a run's start is most of what a user waits for), then the pages the
-        event pushed out (the model files the cache serves from, the interpreters' libraries), then
-        the entries, newest first; what finds no room waits for the next calm."""
+        """Interpreters first (a run's start is most of what a user waits for), then the entries,
+        newest first, then the pages the event pushed out (the model files the cache serves from,
+        the interpreters' libraries); what finds no room waits for the next calm."""
         left_interpreters: list = []
         try:
             for context, env, pss in reversed(interpreters):  # the most recently used first
@@ -306,14 +313,14 @@ class Guard:
                     self._brought_back(1)
                 else:
                     left_interpreters.insert(0, (context, env, pss))
+            refilled, left_entries = self.restore.bring_back(list(reversed(entries)), self.room_for) \
+                if entries else (0, [])
+            self._brought_back(len(entries))
             if read_back:
                 asked = self._read_back_files() + sum(read_back_mapped_files(pid, self.room_for)
                                                        for pid in self.pool.pids())
                 logger.info("read back %s of model files and warm interpreters' libraries", _gib(asked))
                 self._brought_back(1)
-            refilled, left_entries = self.restore.bring_back(list(reversed(entries)), self.room_for) \
-                if entries else (0, [])
-            self._brought_back(len(entries))
         finally:
             with self.lock:
                 self._bringing = 0

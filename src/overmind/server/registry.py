@@ -49,6 +49,7 @@ class TooLarge(Exception):
 
 
 MAX_CONTENTS = 16000  # contents records kept per entry (a loader sends at most 8000 with its answer)
+EVICT_WORTH = 16 << 20  # sealed bytes an entry frees for it to be evicted first under pressure
 DEFAULT_BUDGET_SHARE = 0.5  # of memory_total() (RAM or the cgroup limit): room for the models, and for the processes that use them
 
 
@@ -298,16 +299,20 @@ class Registry:
             return list(order)
 
     def evict_least_recent(self) -> Optional[tuple[str, str, int]]:
-        """Evict the least recently used entry that holds a sealed memfd: its (key, description, bytes
-        it alone held), or None when there is none (overmind.server.pressure). One served from model
-        files alone holds only page cache, which the kernel reclaims itself: it stays a hit."""
+        """Evict the least recently used entry that holds a sealed memfd: its (key, description, sealed
+        bytes it alone held), or None when there is none (overmind.server.pressure). One served from
+        model files alone holds only page cache, which the kernel reclaims itself: it stays a hit."""
         with self._lock:
+            holders = self._holders()
+            sealed = {e.key: sum(size for dev, ino, size in e.segments if (dev, ino) not in e.files
+                                 and len(holders[(dev, ino)][1]) == 1) for e in self._entries.values()}
             holding = [e for e in self._entries.values() if any((d, n) not in e.files for d, n, _ in e.segments)]
             if not holding:
                 return None
-            holders = self._holders()
-            victim = min(holding, key=lambda e: e.last_used)
-            owned = sum(size for dev, ino, size in victim.segments if len(holders[(dev, ino)][1]) == 1)
+            # Least recently used first, but an entry that would free little of it (its file's buffers,
+            # memfds another entry shares) goes only after those that free EVICT_WORTH each.
+            victim = min(holding, key=lambda e: (sealed[e.key] < EVICT_WORTH, e.last_used))
+            owned = sealed[victim.key]
             del self._entries[victim.key]
             self.evictions += 1
         victim.close()

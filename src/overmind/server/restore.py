@@ -231,7 +231,7 @@ class Restore:
         ``room_for`` its bytes: (how many were refilled, the keys left for lack of room). A key the
         state does not keep (no state directory, or too old) comes back when a client loads it."""
         refilled = 0
-        records = self.keeper.records(keys)
+        records = _refs_first(self.keeper.records(keys))
         for i, entry in enumerate(records):
             if self.stopping.is_set():
                 return refilled, []
@@ -282,3 +282,24 @@ class Restore:
         logger.info("restored %s (%s): %d bytes in %.2fs", request.key[:16], request.description, entry["bytes"],
                     time.monotonic() - started)
         return "done"
+
+
+def _refs_first(records: list) -> list:
+    """``records`` in their order, each after those of the entries it refers to (a pipeline's
+    ``vae=vae``): its refill hands its loader those entries (Note [The loader is handed its
+    references] in overmind.server.loads)."""
+    by_key = {r["request"].key: r for r in records}
+    ordered: dict = {}
+
+    def add(record: dict, path: frozenset) -> None:
+        key = record["request"].key
+        if key in ordered or key in path:
+            return
+        for ref in record["request"].refs:
+            if ref in by_key:
+                add(by_key[ref], path | {key})
+        ordered[key] = record
+
+    for record in records:
+        add(record, frozenset())
+    return list(ordered.values())
