@@ -111,7 +111,7 @@ class Server:
         # Note [The cache gives way] in overmind.server.pressure
         self.guard = Guard(config, self.registry, self.pool, self.settler, self.restore, self.stopping)
         self.settler.pressed = self.pool.holding_back = self.loads.fills.holding_back = self.guard.pressed
-        self.settler.may_copy = self.guard.room_for
+        self.settler.may_copy = self.guard.may_settle
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 

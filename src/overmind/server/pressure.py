@@ -73,6 +73,7 @@ CALM = 5.0  # seconds with nothing short before anything comes back
 STALL_SHARE = 0.10  # of STALL_WINDOW some task stalled on memory (PSI "some")
 STALL_WINDOW = 1.0  # seconds stalls are summed over
 END_AFTER = 1.0  # seconds nothing is short before an event ends (one job's growth is one event)
+RETRY = 2.0  # seconds before what found no room to come back is tried again
 SLACK_SHARE, SLACK_MAX = 0.10, 512 << 20  # freed beyond the headroom, and kept free by a comeback
 STEP_WAIT = 0.05  # seconds for a let-go to show in MemAvailable before the next look
 KINDS = ("copies", "unsettled", "unsettled_bytes", "interpreters", "entries", "entry_bytes")
@@ -117,6 +118,7 @@ class Guard:
         self._gone_entries: list = []  # keys evicted under pressure, to refill
         self._coming_back: Optional[threading.Thread] = None
         self._bringing = 0  # what the comeback thread is bringing back now
+        self._retry_at = 0.0  # what found no room is tried again from then
         self._brought = 0  # what came back
 
     # -- what others ask -----------------------------------------------------------------------
@@ -166,7 +168,7 @@ class Guard:
             elif stalled >= STALL_SHARE and low and now - self._stall_step >= STALL_WINDOW:
                 self._stall_step = now  # stalls with memory getting low: one step a window
                 self._let_go(available, steps=1)
-        elif now - self._calm_since >= CALM and self._owed():
+        elif now - self._calm_since >= CALM and now >= self._retry_at and self._owed():
             self._come_back()
 
     def _stalled(self, now: float) -> float:
@@ -317,13 +319,22 @@ class Guard:
                 if entries else (0, [])
             self._brought_back(len(entries))
             if read_back:
-                asked = self._read_back_files() + sum(read_back_mapped_files(pid, self.room_for)
-                                                       for pid in self.pool.pids())
-                logger.info("read back %s of model files and warm interpreters' libraries", _gib(asked))
-                self._brought_back(1)
+                asked, complete = self._read_back_files()
+                for pid in self.pool.pids():
+                    more, whole = read_back_mapped_files(pid, self.room_for)
+                    asked, complete = asked + more, complete and whole
+                logger.info("read back %s of model files and warm interpreters' libraries%s", _gib(asked),
+                            "" if complete else "; the rest waits for room")
+                if complete:
+                    self._brought_back(1)
+                else:
+                    with self.lock:
+                        self._bringing -= 1
+                        self._read_back_owed = True
         finally:
             with self.lock:
                 self._bringing = 0
+                self._retry_at = self.clock() + RETRY
                 self._gone_interpreters[:0] = left_interpreters  # anything let go meanwhile comes after
                 self._gone_entries[:0] = list(reversed(left_entries))
         if interpreters or entries:
@@ -336,20 +347,31 @@ class Guard:
             self._brought += n
             self._bringing = max(0, self._bringing - n)
 
-    def _read_back_files(self) -> int:
+    def _read_back_files(self) -> tuple[int, bool]:
         """Read the model files the cache serves from back into the page cache (the most recently
-        used entries' first), each where it fits: their next hits then cost no disk."""
-        asked = 0
+        used entries' first), each where it fits: their next hits then cost no disk. (Bytes asked,
+        whether all fitted.)"""
+        asked, complete = 0, True
         for ident, size, fd in self.registry.file_segments():
             try:
                 share = cached_share(fd, size)
                 missing = size if share is None else int(size * (1 - share))
-                if missing > 0 and (share is None or share < RESIDENT) and self.room_for(missing):
-                    populate(fd, size)
-                    asked += missing
+                if missing <= 0 or (share is not None and share >= RESIDENT):
+                    continue
+                if not self.room_for(missing):
+                    complete = False
+                    continue
+                populate(fd, size)
+                asked += missing
             finally:
                 os.close(fd)
-        return asked
+        return asked, complete
+
+    def may_settle(self, nbytes: int) -> bool:
+        """May the settler copy ``nbytes`` into sealed memory now? Only where they fit, and not
+        while pages an event pushed out are still owed: the read-back brings them back first, and
+        the settler then copies them from the page cache, not from disk beside a user's run."""
+        return not self._read_back_owed and not self._bringing and self.room_for(nbytes)
 
 
 def populate(fd: int, size: int) -> None:
@@ -359,9 +381,9 @@ def populate(fd: int, size: int) -> None:
         mapping.close()
 
 
-def read_back_mapped_files(pid: int, room_for: Callable[[int], bool]) -> int:
-    """Ask the kernel to read back the files process ``pid`` maps (a warm interpreter's
-    libraries, which a job that needed the memory pushed out of the page cache); bytes asked."""
+def read_back_mapped_files(pid: int, room_for: Callable[[int], bool]) -> tuple[int, bool]:
+    """Read back the files process ``pid`` maps (a warm interpreter's libraries, which a job that
+    needed the memory pushed out of the page cache): (bytes asked, whether all fitted)."""
     paths: dict = {}
     try:
         with open(f"/proc/{pid}/maps") as maps:
@@ -370,8 +392,8 @@ def read_back_mapped_files(pid: int, room_for: Callable[[int], bool]) -> int:
                 if len(fields) == 6 and fields[5].startswith("/") and fields[4] != "0":
                     paths[fields[5].rstrip("\n")] = None
     except OSError:
-        return 0
-    asked = 0
+        return 0, True
+    asked, complete = 0, True
     for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -379,15 +401,19 @@ def read_back_mapped_files(pid: int, room_for: Callable[[int], bool]) -> int:
             continue  # deleted, or not ours to read
         try:
             st = os.fstat(fd)
-            size = st.st_size
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:
                 continue
-            if not room_for(size):
-                break
-            populate(fd, size)
-            asked += size
+            share = cached_share(fd, st.st_size)
+            missing = st.st_size if share is None else int(st.st_size * (1 - share))
+            if share is not None and share >= RESIDENT:
+                continue
+            if not room_for(missing):
+                complete = False
+                continue
+            populate(fd, st.st_size)
+            asked += missing
         except OSError:
             pass
         finally:
             os.close(fd)
-    return asked
+    return asked, complete
