@@ -14,6 +14,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -321,10 +322,18 @@ def test_client_refuses_a_server_run_by_another_user(runtime_dir):
     squatted.mkdir(mode=0o755)
     os.chown(squatted, OTHER_UID, OTHER_UID)
     marker = runtime_dir / "pwned"
+    # The other user cannot enter a checkout only its owner may (a clone in a 0700 home, the venv in
+    # it): it runs the base interpreter on a copy of overmind's standard-library protocol module.
+    readable = Path(tempfile.mkdtemp(prefix="om-other-"))
+    shutil.copytree(REPO / "src" / "overmind", readable / "overmind",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    for path in (readable, *readable.rglob("*")):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
     fake = subprocess.Popen(
-        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", sys.executable, "-c",
-         FOREIGN_SERVER, str(squatted / "server.sock"), str(marker), str(os.getuid())],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
+        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", sys._base_executable, "-I",
+         "-c", f"import sys; sys.path.insert(0, {str(readable)!r})\n{FOREIGN_SERVER}", str(squatted / "server.sock"),
+         str(marker), str(os.getuid())],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=readable)
     try:
         assert fake.stdout.readline().strip() == "ready", fake.stderr.read()
         env = child_env(OVERMIND_RUNTIME_DIR=str(squatted), OVERMIND_NO_AUTOSTART="1", OVERMIND_PRESTART="0",
@@ -333,6 +342,7 @@ def test_client_refuses_a_server_run_by_another_user(runtime_dir):
     finally:
         fake.kill()
         received, errors = fake.communicate(timeout=10)
+        shutil.rmtree(readable, ignore_errors=True)
     assert out["result"] == {"answer": 42}  # the plain call ran
     assert len(out["warnings"]) == 1 and f"uid {OTHER_UID}" in out["warnings"][0], out["warnings"]
     assert "Load" not in received and "hf_secret" not in received, received  # nothing was sent

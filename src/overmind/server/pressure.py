@@ -74,6 +74,7 @@ STALL_SHARE = 0.10  # of STALL_WINDOW some task stalled on memory (PSI "some")
 STALL_WINDOW = 1.0  # seconds stalls are summed over
 END_AFTER = 1.0  # seconds nothing is short before an event ends (one job's growth is one event)
 RETRY = 2.0  # seconds before what found no room to come back is tried again
+SETTLE_WAIT = 120.0  # seconds the comeback waits for the settler to settle again what it served from files
 SLACK_SHARE, SLACK_MAX = 0.10, 512 << 20  # freed beyond the headroom, and kept free by a comeback
 STEP_WAIT = 0.05  # seconds for a let-go to show in MemAvailable before the next look
 KINDS = ("copies", "unsettled", "unsettled_bytes", "interpreters", "entries", "entry_bytes")
@@ -117,7 +118,8 @@ class Guard:
         self._gone_interpreters: list = []  # (context, env, pss) retired under pressure, to start again
         self._gone_entries: list = []  # keys evicted under pressure, to refill
         self._coming_back: Optional[threading.Thread] = None
-        self._bringing = 0  # what the comeback thread is bringing back now
+        self._bringing = 0  # interpreters and entries the comeback thread is bringing back now
+        self._unsettled: list = []  # (dev, ino) of segments served from their files, to settle again
         self._retry_at = 0.0  # what found no room is tried again from then
         self._brought = 0  # what came back
 
@@ -254,6 +256,8 @@ class Guard:
         unsettled = self.settler.unsettle_one(order)
         if unsettled is not None:
             ident, nbytes = unsettled
+            with self.lock:
+                self._unsettled.append(ident)
             self._count("unsettled", 1)
             self._count("unsettled_bytes", nbytes)
             return True
@@ -275,11 +279,12 @@ class Guard:
     # -- coming back ---------------------------------------------------------------------------
 
     def _owed(self) -> bool:
-        return bool(self._gone_interpreters or self._gone_entries or self._read_back_owed)
+        return bool(self._gone_interpreters or self._gone_entries or self._read_back_owed or self._unsettled)
 
     def _comeback(self) -> dict:
         """Under self.lock."""
-        pending = len(self._gone_interpreters) + len(self._gone_entries) + int(self._read_back_owed) + self._bringing
+        pending = len(self._gone_interpreters) + len(self._gone_entries) + int(self._read_back_owed) + \
+            len(self._unsettled) + self._bringing
         if self._coming_back is not None and self._coming_back.is_alive():
             state = "coming back"
         elif not pending:
@@ -296,16 +301,16 @@ class Guard:
         with self.lock:
             interpreters, self._gone_interpreters = self._gone_interpreters, []
             entries, self._gone_entries = self._gone_entries, []
-            read_back, self._read_back_owed = self._read_back_owed, False
-            self._bringing = len(interpreters) + len(entries) + int(read_back)
-            self._coming_back = threading.Thread(target=self._bring_back, args=(interpreters, entries, read_back),
+            self._bringing = len(interpreters) + len(entries)  # the read-back and settling count as they stand
+            self._coming_back = threading.Thread(target=self._bring_back, args=(interpreters, entries),
                                                  daemon=True, name="overmind-comeback")
         self._coming_back.start()
 
-    def _bring_back(self, interpreters: list, entries: list, read_back: bool) -> None:
+    def _bring_back(self, interpreters: list, entries: list) -> None:
         """Interpreters first (a run's start is most of what a user waits for), then the entries,
         newest first, then the pages the event pushed out (the model files the cache serves from,
-        the interpreters' libraries); what finds no room waits for the next calm."""
+        the interpreters' libraries), then the segments it served from their files are settled
+        again; what finds no room waits for the next calm."""
         left_interpreters: list = []
         try:
             for context, env, pss in reversed(interpreters):  # the most recently used first
@@ -318,7 +323,7 @@ class Guard:
             refilled, left_entries = self.restore.bring_back(list(reversed(entries)), self.room_for) \
                 if entries else (0, [])
             self._brought_back(len(entries))
-            if read_back:
+            if self._read_back_owed:
                 asked, complete = self._read_back_files()
                 for pid in self.pool.pids():
                     more, whole = read_back_mapped_files(pid, self.room_for)
@@ -326,11 +331,11 @@ class Guard:
                 logger.info("read back %s of model files and warm interpreters' libraries%s", _gib(asked),
                             "" if complete else "; the rest waits for room")
                 if complete:
-                    self._brought_back(1)
-                else:
                     with self.lock:
-                        self._bringing -= 1
-                        self._read_back_owed = True
+                        self._read_back_owed = False
+                        self._brought += 1
+            if not self._read_back_owed and self._unsettled:
+                self._settle_again()
         finally:
             with self.lock:
                 self._bringing = 0
@@ -341,6 +346,28 @@ class Guard:
             logger.info("came back after memory was short: %d warm interpreters, %d entries refilled; %d wait for "
                         "room", len(interpreters) - len(left_interpreters), refilled,
                         len(left_interpreters) + len(left_entries))
+
+    def _settle_again(self) -> None:
+        """The segments it served from their files go back into sealed memory now, from the page
+        cache the read-back filled, as they were before the event (the settler copies them; a hit
+        then maps huge pages, not the file's 4 KiB pages); this thread waits, counting them pending."""
+        wanted = set(self._unsettled)
+        self.settler.settle_soon(wanted)
+        deadline = self.clock() + SETTLE_WAIT
+        while not self.stopping.is_set() and self.clock() < deadline:
+            files = set()
+            for ident, _, fd in self.registry.file_segments():
+                os.close(fd)
+                files.add(ident)
+            left = wanted & files
+            with self.lock:
+                done = [ident for ident in self._unsettled if ident not in left]
+                self._unsettled = [ident for ident in self._unsettled if ident in left]
+                self._brought += len(done)
+            if not left or self._pressed:
+                break
+            self.stopping.wait(0.2)
+        self.settler.settle_soon(set())
 
     def _brought_back(self, n: int) -> None:
         with self.lock:
@@ -371,7 +398,7 @@ class Guard:
         """May the settler copy ``nbytes`` into sealed memory now? Only where they fit, and not
         while pages an event pushed out are still owed: the read-back brings them back first, and
         the settler then copies them from the page cache, not from disk beside a user's run."""
-        return not self._read_back_owed and not self._bringing and self.room_for(nbytes)
+        return not self._read_back_owed and self.room_for(nbytes)
 
 
 def populate(fd: int, size: int) -> None:

@@ -133,11 +133,17 @@ class Settler:
         self._lock = threading.Lock()
         self._settled_from: dict = {}  # (dev, ino) of a settled memfd -> (dev, ino) of the file it copies
         self._unsettled = 0  # settled segments served from their files again
+        self._soon: set = set()  # (dev, ino) of file segments to settle at once: settle_soon
 
     def describe(self) -> dict:
         """The status's ``file_segments``, less their bytes (the registry's)."""
         return {"settled": self.settled, "settled_bytes": self.settled_bytes, "copying": self.copying,
                 "unsettled": self._unsettled}
+
+    def settle_soon(self, idents: set) -> None:
+        """Settle these file segments ((dev, ino)) first and at once, where ``may_copy`` lets it:
+        they were settled before memory was short (overmind.server.pressure)."""
+        self._soon = set(idents)  # one assignment: the settler thread reads it without a lock
 
     def unsettle_one(self, order: list) -> Optional[tuple[tuple[int, int], int]]:
         """Serve the first settled segment of ``order`` ((dev, ino), the cache's least recently used
@@ -210,13 +216,16 @@ class Settler:
                 # settle_after None: never a second copy, not even of a file the page cache lost
                 evicted = [s for s in segments if not self._held(s[0]) and _evicted(s[2], s[1])] \
                     if self.idle_after is not None else []
-                chosen = evicted[0] if evicted else segments[0] if segments and self._quiet() else None
+                soon = [s for s in segments if s[0] in self._soon]
+                chosen = soon[0] if soon else evicted[0] if evicted else \
+                    segments[0] if segments and self._quiet() else None
                 if chosen is not None and (self.pressed() or not self.may_copy(chosen[1])):
                     chosen = None  # Note [The cache gives way] in overmind.server.pressure
                 if chosen is not None:
                     logger.info("copying file segment %d:%d into sealed memory: %s", *chosen[0],
+                                "it was before memory was short" if soon else
                                 "the page cache lost it" if evicted else "the server is idle")
-                    self._settle_one(*chosen, pause=not evicted)
+                    self._settle_one(*chosen, pause=not (evicted or soon))
             finally:
                 for _, _, fd in segments:
                     os.close(fd)
