@@ -88,8 +88,11 @@ def test_status_json_on_fresh_server_reports_its_pid_and_zero_counters(server):
     assert (info["entries"], info["hits"], info["misses"]) == (0, 0, 0)
     assert info["torch_imported"] is False
     # The server's info dict as is, plus the huge-page report the CLI reads itself.
-    assert info == {**server.status(), "uptime": info["uptime"], "interpreters": info["interpreters"],
-                    "peers": info["peers"], "huge_pages": info["huge_pages"]}
+    now = server.status()  # what is available changes from one look to the next
+    assert info == {**now, "uptime": info["uptime"], "interpreters": info["interpreters"],
+                    "peers": info["peers"], "huge_pages": info["huge_pages"],
+                    "memory": {**now["memory"], "available": info["memory"]["available"]}}
+    assert info["memory"]["limit"] > 0 and info["memory"]["headroom"] > 0 and info["memory"]["events"] == 0
     assert info["peers"] == {"cli": 1}  # this connection; status() above made the next
     _check_huge_pages(info["huge_pages"], settings)
 
