@@ -205,8 +205,8 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
 
 def _prepare() -> None:
-    """Background: reach (or start) the server and have it start a loader for this context,
-    overlapping the loader's start-up with the script's own imports."""
+    """Background: reach (or start) the server and have it start a warm interpreter for this
+    context, overlapping the interpreter's start-up with the script's own imports."""
     try:
         from overmind.client import cache
         from overmind.client.connection import LoadingConnection

@@ -7,7 +7,7 @@
 
 This process is only the front end: it hands its argv, working directory, environment,
 umask and its own stdin/stdout/stderr to overmind-server, which forks the run from a warm
-interpreter of the same context (Note [Warm interpreters] in overmind.warm.loader). The child
+interpreter of the same context (Note [Warm interpreters] in overmind.warm.interpreter). The child
 has the caller's terminal or pipes themselves, so ``isatty()``, interleaving and reading
 stdin are those of plain python. The front end forwards signals and exits with the
 child's status; a death by a signal is reported as a shell would see it.

@@ -43,7 +43,8 @@ serves pods that share their node's server: deploy/example-pod.yaml):
 =========================  =========================================================
 ``OVERMIND_NO_AUTOSTART``  ``1``: clients never start a server themselves.
 ``OVERMIND_PRESTART``      ``0``: ``monkey_patch_all()`` does not ask the server, in the
-                           background, to get a loader ready for this process.
+                           background, to get a warm interpreter ready for this
+                           process.
 ``OVERMIND_QUICK_EXIT``    ``0``: ``monkey_patch_all()`` leaves the interpreter's teardown as
                            it is (Note [The drop-in leaves quickly] in overmind.shared.teardown).
 =========================  =========================================================

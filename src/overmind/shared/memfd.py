@@ -53,7 +53,7 @@ where ``shmem_enabled`` may give huge pages (``advise``, ``within_size``, ``alwa
   check both).
 
 Storages of 2 MiB or more start on 2 MiB offsets where that costs little (Note [Large
-storages on huge pages] in ``overmind.shared.reductions``).
+storages on huge pages] in ``overmind.shared.segment_writer``).
 
 Why collapse after the fill rather than fill huge pages directly (a writable
 ``MAP_SHARED`` ``MADV_HUGEPAGE`` mapping, unmapped before sealing: tried, issue 11):

@@ -26,16 +26,16 @@ runs, that every native thread started since it was ready is one a fork keeps wo
 jemalloc's thread is forked past), and that CUDA was never initialised (Note [Warm
 interpreters never touch CUDA] in overmind.server.pool). An import that started a thread
 nobody vouches for gets its module kept out of the context's interpreters; this one refuses
-to fork (``NOT_FORKABLE``) and is replaced, and meanwhile its loads run in a fresh process
-(Note [A tainted interpreter says so at once]
+to fork (``NOT_FORKABLE``) and is replaced (Note [A tainted interpreter says so at once]), and
+meanwhile its loads run in a fresh process (Note [A fill never waits for a fork]).
+
+Note [A tainted interpreter says so at once]
 An import learned between forks that starts a thread nobody vouches for ends this
 interpreter's use: it tells the server (``Unforkable``) at once and imports nothing more, so
 the server starts its successor, which keeps the module out, while the run that taught it
 still runs, not when the next run asks for a fork and would go plain beside the successor's
 imports (measured: run 2 at 1.51 x plain under ``overmind run``, 1.15 x with
 ``monkey_patch_all()``, benchmarks/real_envs.sh stranger).
-
-Note [A fill never waits for a fork]).
 
 Note [A fill never waits for a fork]
 A ``Job`` that comes while the interpreter cannot fork runs in a fresh interpreter instead

@@ -194,7 +194,7 @@ class Ok(Message):
 
 @message
 class Prepare(Message):
-    """Start a loader for this context now, so the first load does not wait for one."""
+    """Start a warm interpreter for this context now, so the first load does not wait for one."""
 
     TYPE: ClassVar[int] = 28
     context: dict
@@ -245,7 +245,7 @@ class RunExited(Message):
 @message
 class Warm(Message):
     """The server's first message to a new warm interpreter: the installed modules to import
-    before it is ready (Note [Warm interpreters learn] in overmind.warm.loader)."""
+    before it is ready (Note [Warm interpreters learn] in overmind.warm.interpreter)."""
 
     TYPE: ClassVar[int] = 45
     modules: list
