@@ -108,10 +108,8 @@ class Server:
         # Note [Settling file segments] in overmind.server.settle
         self.settler = Settler(self.registry, config.settle_after, self.stopping, config.keep_file_pages)
         self.prepare_python = prepare_python  # Note [The server a first run starts prepares its interpreter]
-        # Note [The cache gives way] in overmind.server.pressure
         self.guard = Guard(config, self.registry, self.pool, self.settler, self.restore, self.stopping)
-        self.settler.pressed = self.pool.holding_back = self.loads.fills.holding_back = self.guard.pressed
-        self.settler.may_copy = self.guard.may_settle
+        self.guard.holds_back(self.loads.fills)  # Note [The cache gives way] in overmind.server.pressure
 
     # -- lifecycle: startup -> serve -> shutdown ------------------------------------
 

@@ -123,6 +123,13 @@ class Guard:
         self._retry_at = 0.0  # what found no room is tried again from then
         self._brought = 0  # what came back
 
+    def holds_back(self, fills) -> None:
+        """While memory is short, the settler copies nothing, the pool starts no interpreter and
+        ``fills`` (overmind.server.fills.Fills) start no fill; the settler copies only where
+        ``may_settle``."""
+        self.settler.pressed = self.pool.holding_back = fills.holding_back = self.pressed
+        self.settler.may_copy = self.may_settle
+
     # -- what others ask -----------------------------------------------------------------------
 
     def pressed(self) -> bool:
