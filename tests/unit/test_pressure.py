@@ -215,3 +215,35 @@ def test_entries_go_least_recently_used_first_and_a_file_only_entry_not_at_all(t
     assert registry.evict_least_recent()[0] == "older"
     assert registry.evict_least_recent()[0] == "newer"
     assert registry.evict_least_recent() is None and registry.keys() == ["file"]
+
+
+def test_an_evicted_pipeline_is_refilled_after_the_entries_it_refers_to():
+    """Restore.bring_back's order: newest first, each after its references (a pipeline's vae=vae),
+    else the pipeline's refill finds them missing and the pipeline does not come back."""
+    from types import SimpleNamespace
+
+    from overmind.server.restore import _refs_first
+
+    def record(key: str, refs=()) -> dict:
+        return {"request": SimpleNamespace(key=key, refs=list(refs))}
+
+    newest_first = [record("pipeline", ["vae", "controlnet"]), record("lm"), record("controlnet"), record("vae")]
+    assert [r["request"].key for r in _refs_first(newest_first)] == ["vae", "controlnet", "pipeline", "lm"]
+
+
+def test_stalls_that_go_on_let_go_one_thing_a_window(tmp_path):
+    registry, settler, _ = _cache(tmp_path)
+    clock = _Clock()
+    root = _proc(tmp_path / "root", 24 * GIB, 3 * GIB, stall_us=0)
+    config = Config.from_env({"OVERMIND_HEADROOM": "2G"})
+    guard = Guard(config, registry, WarmPool(config), settler, None, threading.Event(),
+                  host=HostMemory.read(str(root)), clock=clock)
+    guard.tick()
+    for second in (1, 2):  # 30 % of each second stalled, 3 GiB available: under 2 x headroom, over the headroom
+        _proc(tmp_path / "root", 24 * GIB, 3 * GIB, stall_us=300_000 * second)
+        clock.now += 1
+        guard.tick()
+        guard.tick()  # a second look in the same window takes nothing more
+        let_go = guard.describe()["last_event"]["let_go"]
+        assert let_go["unsettled"] + let_go["entries"] == second, let_go
+    assert guard.pressed()
