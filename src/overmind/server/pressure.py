@@ -329,7 +329,9 @@ class Guard:
                     left_interpreters.insert(0, (context, env, pss))
             refilled, left_entries = self.restore.bring_back(list(reversed(entries)), self.room_for) \
                 if entries else (0, [])
-            self._brought_back(len(entries))
+            with self.lock:  # those left for room are pending again below; those that failed are gone
+                self._brought += refilled
+                self._bringing = max(0, self._bringing - len(entries))
             if self._read_back_owed:
                 asked, complete = self._read_back_files()
                 for pid in self.pool.pids():
