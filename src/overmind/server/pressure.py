@@ -390,17 +390,10 @@ class Guard:
         asked, complete = 0, True
         for ident, size, fd in self.registry.file_segments():
             try:
-                share = cached_share(fd, size)
-                missing = size if share is None else int(size * (1 - share))
-                if missing <= 0 or (share is not None and share >= RESIDENT):
-                    continue
-                if not self.room_for(missing):
-                    complete = False
-                    continue
-                populate(fd, size)
-                asked += missing
+                read = read_back(fd, size, self.room_for)
             finally:
                 os.close(fd)
+            asked, complete = asked + (read or 0), complete and read is not None
         return asked, complete
 
     def may_settle(self, nbytes: int) -> bool:
@@ -410,11 +403,20 @@ class Guard:
         return not self._read_back_owed and self.room_for(nbytes)
 
 
-def populate(fd: int, size: int) -> None:
-    """Read the file ``fd``'s first ``size`` bytes into the page cache, now (nothing copied to us)."""
+def read_back(fd: int, size: int, room_for: Callable[[int], bool]) -> Optional[int]:
+    """Read the file ``fd``'s first ``size`` bytes into the page cache now, unless it holds them
+    (RESIDENT) or ``room_for`` what is missing says no (None); the bytes it read. Nothing is
+    copied to us: the pages are mapped with their tables filled, then unmapped."""
+    share = cached_share(fd, size)
+    missing = size if share is None else int(size * (1 - share))
+    if missing <= 0 or (share is not None and share >= RESIDENT):
+        return 0
+    if not room_for(missing):
+        return None
     mapping = hold_pages(fd, size)
     if mapping is not None:
         mapping.close()
+    return missing
 
 
 def read_back_mapped_files(pid: int, room_for: Callable[[int], bool]) -> tuple[int, bool]:
@@ -437,19 +439,10 @@ def read_back_mapped_files(pid: int, room_for: Callable[[int], bool]) -> tuple[i
             continue  # deleted, or not ours to read
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:
-                continue
-            share = cached_share(fd, st.st_size)
-            missing = st.st_size if share is None else int(st.st_size * (1 - share))
-            if share is not None and share >= RESIDENT:
-                continue
-            if not room_for(missing):
-                complete = False
-                continue
-            populate(fd, st.st_size)
-            asked += missing
+            read = read_back(fd, st.st_size, room_for) if stat.S_ISREG(st.st_mode) and st.st_size > 0 else 0
         except OSError:
-            pass
+            continue
         finally:
             os.close(fd)
+        asked, complete = asked + (read or 0), complete and read is not None
     return asked, complete
