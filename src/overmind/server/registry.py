@@ -41,7 +41,7 @@ from overmind.shared.memfd import is_sealed_memfd
 
 logger = logging.getLogger("overmind.server.registry")
 
-__all__ = ["CacheEntry", "Registry", "Reply", "TooLarge", "default_budget", "files_unchanged"]
+__all__ = ["CacheEntry", "Registry", "Reply", "TooLarge", "default_budget", "files_unchanged", "still_as_recorded"]
 
 
 class TooLarge(Exception):
@@ -127,14 +127,20 @@ def files_unchanged(records) -> bool:
     for record in records:
         if not isinstance(record, list) or len(record) != 6 or not isinstance(record[0], str):
             return False
-        path, size, mtime_ns, ino, dev, ctime_ns = record
         try:
-            st = os.stat(path)
+            st = os.stat(record[0])
         except (OSError, ValueError):  # ValueError: a NUL in the path
             return False
-        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns) != (size, mtime_ns, ino, dev, ctime_ns):
+        if not still_as_recorded(st, record):
             return False
     return True
+
+
+def still_as_recorded(st: os.stat_result, record: list) -> bool:
+    """Has the file of ``st`` the size, mtime, inode, device and ctime of ``record`` ([path, size,
+    mtime_ns, ino, dev, ctime_ns], as ``LoadMeta.files`` holds it)?"""
+    _, size, mtime_ns, ino, dev, ctime_ns = record
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns) == (size, mtime_ns, ino, dev, ctime_ns)
 
 
 @dataclass(frozen=True)

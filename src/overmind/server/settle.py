@@ -76,7 +76,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from overmind.server.registry import Registry
+from overmind.server.registry import Registry, still_as_recorded
 from overmind.shared.memfd import RESIDENT, Segment, cached_share, hold_pages
 from overmind.shared.priority import to_idle
 
@@ -89,17 +89,15 @@ _POLL = 0.5  # seconds between looks for work
 READ_BACK_HOLD = 30.0  # seconds a lost file handed to a prefetching client is left to it
 
 
-def _open_unchanged(record: list, ident: tuple[int, int]) -> int:
-    """An fd of the file of ``record`` ([path, size, mtime_ns, ino, dev, ctime_ns]) if it is the file
-    ``ident`` with that size, mtime and ctime still; else -1."""
-    path, size, mtime_ns, ino, dev, ctime_ns = record
+def _open_unchanged(record: list) -> int:
+    """An fd of the file of ``record`` ([path, size, mtime_ns, ino, dev, ctime_ns]) if the file it
+    opened is still that one, as recorded (checked on the fd: no swap between check and use); else -1."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(record[0], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except (OSError, ValueError):
         return -1
     st = os.fstat(fd)
-    if (st.st_dev, st.st_ino) == ident and stat.S_ISREG(st.st_mode) and \
-            (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (size, mtime_ns, ctime_ns):
+    if stat.S_ISREG(st.st_mode) and still_as_recorded(st, record):
         return fd
     os.close(fd)
     return -1
@@ -158,7 +156,7 @@ class Settler:
             if file is None:
                 continue
             record = self.registry.file_record(file)
-            fd = _open_unchanged(record, file) if record is not None else -1
+            fd = _open_unchanged(record) if record is not None else -1  # file_record matched its (dev, ino)
             if fd < 0:
                 with self._lock:
                     self._settled_from.pop(memfd, None)
