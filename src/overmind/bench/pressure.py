@@ -284,18 +284,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _time(argv: list, env: dict, cwd: str) -> dict:
-    from overmind.bench.whole import RUN_TIMEOUT, read_marks
-
-    start = time.monotonic()
-    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    end = time.monotonic() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr[-3000:]}")
-    marks = read_marks(proc.stdout, start)
-    return {"ready": marks["ready"][0], "exit": end, "weights": marks["used"][3][1]}
-
-
 def _until(predicate: Callable[[dict], bool], server: "BenchServer", timeout: float) -> tuple[Optional[float], dict]:
     """Seconds until ``predicate(status)`` (None: not within ``timeout``), and the last status."""
     start = time.monotonic()
@@ -311,26 +299,28 @@ def _until(predicate: Callable[[dict], bool], server: "BenchServer", timeout: fl
 def _plain(server: "BenchServer", folder: Path, n: int) -> list:
     """Plain ``python`` of the ControlNet script ``n`` times before the job: the reference the next
     run after it is held to (the job leaves the page cache cold for plain as well)."""
+    from overmind.bench.whole import time_script
+
     runs = []
     for _ in range(n):
         server.wait_idle()
-        runs.append(_time([sys.executable, "controlnet.py"], server.client_env(), str(folder)))
+        runs.append(time_script([sys.executable, "controlnet.py"], server.client_env(), str(folder)))
     return runs
 
 
 def _runs(server: "BenchServer", folder: Path, pairs: int, plain_before: list) -> dict:
     """``overmind run`` and plain ``python`` of the ControlNet script in pairs, then one patched run.
     The target is the first run's (the next after the job) over plain's median before the job."""
-    from overmind.bench.whole import front_end
+    from overmind.bench.whole import front_end, time_script
 
     python, patched_env = [sys.executable], server.client_env({"OVERMIND": "1"})
     timed: dict = {"run": [], "plain": []}
     for _ in range(pairs):
         for mode, argv, env in (("run", front_end(), patched_env), ("plain", python, server.client_env())):
             server.wait_idle()
-            timed[mode].append(_time(argv + ["controlnet.py"], env, str(folder)))
+            timed[mode].append(time_script(argv + ["controlnet.py"], env, str(folder)))
     server.wait_idle()
-    patched = _time(python + ["controlnet.py"], patched_env, str(folder))
+    patched = time_script(python + ["controlnet.py"], patched_env, str(folder))
     medians = {mode: statistics.median(t["exit"] for t in runs) for mode, runs in timed.items()}
     weights = timed["plain"][0]["weights"]
     before = statistics.median(t["exit"] for t in plain_before)
@@ -344,12 +334,12 @@ def _runs(server: "BenchServer", folder: Path, pairs: int, plain_before: list) -
 
 def _beside_cache(server: "BenchServer", folder: Path, target: int, hold: float, pairs: int, results: dict,
                   say: Callable[[str], None]) -> None:
-    from overmind.bench.whole import front_end
+    from overmind.bench.whole import front_end, time_script
 
     patched_env = server.client_env({"OVERMIND": "1"})
     for name in SCRIPT_NAMES:  # the cache fills, and the interpreter learns
         for argv in ([sys.executable], [sys.executable], front_end()):
-            _time(argv + [f"{name}.py"], patched_env, str(folder))
+            time_script(argv + [f"{name}.py"], patched_env, str(folder))
             server.wait_idle()
     settled, status = _until(lambda s: (s.get("file_segments") or {}).get("bytes", 0) == 0, server, SETTLE_TIMEOUT)
     interpreters = status.get("interpreters") or []

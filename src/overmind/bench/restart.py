@@ -38,7 +38,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,23 +46,13 @@ from typing import Optional
 
 from overmind.bench.harness import BenchServer
 from overmind.bench.models import SCALES, default_cache_dir, ensure_models
-from overmind.bench.whole import RUN_TIMEOUT, SCRIPTS, front_end, read_marks, script_source
+from overmind.bench.whole import SCRIPTS, front_end, script_source, time_script
 
 __all__ = ["main", "TARGETS"]
 
 TARGETS = {"restore_over_cold_fill": 1.2, "run_over_plain": 0.15, "patched_over_plain": 0.92,
            "client_during_restore": 1.10}
 SCRIPT_NAMES = ("controlnet", "lm")
-
-
-def _time(argv: list, env: dict, cwd: str) -> dict:
-    start = time.monotonic()
-    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    end = time.monotonic() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr[-3000:]}")
-    marks = read_marks(proc.stdout, start)
-    return {"ready": marks["ready"][0], "exit": end, "weights": marks["used"][3][1]}
 
 
 def _wait_gone(pid: int, timeout: float = 60.0) -> None:
@@ -135,14 +124,14 @@ def run(scale: str, stops: list, say) -> dict:
         patched_env = server.client_env({"OVERMIND": "1"})
         python = [sys.executable]
         for name in SCRIPT_NAMES:
-            plain = [_time(python + [f"{name}.py"], env, str(folder)) for _ in range(2)]
+            plain = [time_script(python + [f"{name}.py"], env, str(folder)) for _ in range(2)]
             results["plain"][name] = {"ready": statistics.median(p["ready"] for p in plain),
                                       "exit": statistics.median(p["exit"] for p in plain),
                                       "weights": plain[0]["weights"]}
             say(f"plain {name}: ready {results['plain'][name]['ready']:.2f}s, exit {results['plain'][name]['exit']:.2f}s")
         for name in SCRIPT_NAMES:  # the learning runs
             for argv in (python, front_end(), python, front_end()):
-                _time(argv + [f"{name}.py"], patched_env, str(folder))
+                time_script(argv + [f"{name}.py"], patched_env, str(folder))
                 server.wait_idle()
         time.sleep(3)  # one save at least (SAVE_INTERVAL) after the last fill
         for stop in stops:
@@ -151,7 +140,7 @@ def run(scale: str, stops: list, say) -> dict:
             nxt = {}
             for name in SCRIPT_NAMES:
                 for mode, argv in (("run", front_end()), ("patched", python)):
-                    t = _time(argv + [f"{name}.py"], patched_env, str(folder))
+                    t = time_script(argv + [f"{name}.py"], patched_env, str(folder))
                     plain = results["plain"][name]
                     nxt[f"{name}/{mode}"] = {**t, "over_plain": t["exit"] / plain["exit"],
                                              "weights_equal": t["weights"] == plain["weights"]}
@@ -169,7 +158,7 @@ def run(scale: str, stops: list, say) -> dict:
             # The cold fill's learning runs put the learning back for the next stop.
             for name in SCRIPT_NAMES:
                 for argv in (python, front_end()):
-                    _time(argv + [f"{name}.py"], patched_env, str(folder))
+                    time_script(argv + [f"{name}.py"], patched_env, str(folder))
                     server.wait_idle()
             time.sleep(3)
     finally:
@@ -202,7 +191,7 @@ def client_during_restore(scale: str, pairs: int, say) -> dict:
     try:
         for name in SCRIPT_NAMES:  # what the restore will refill: both scripts' entries, learned
             for _ in range(2):
-                _time([sys.executable, f"{name}.py"], patched_env, str(learned))
+                time_script([sys.executable, f"{name}.py"], patched_env, str(learned))
                 server.wait_idle()
         restored_bytes = server.status()["used"]
         time.sleep(3)  # one save at least (SAVE_INTERVAL)
@@ -217,7 +206,7 @@ def client_during_restore(scale: str, pairs: int, say) -> dict:
                 server.launch()
                 if case == "restoring":
                     _until_refilling(server)
-                t = _time([sys.executable, "controlnet.py"], patched_env, str(folder))
+                t = time_script([sys.executable, "controlnet.py"], patched_env, str(folder))
                 restore = server.status()["restore"]
                 timed[case].append(t["exit"])
                 restores[case].append(restore["state"])

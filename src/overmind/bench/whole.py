@@ -204,6 +204,18 @@ def read_marks(stdout: str, start: float) -> dict:
     return marks
 
 
+def time_script(argv: list, env: dict, cwd: str) -> dict:
+    """One run of a script of :data:`SCRIPTS` from the shell: seconds to its model ``ready`` and
+    to its ``exit``, and its weights' checksum; RuntimeError, with its stderr, if it failed."""
+    start = time.monotonic()
+    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    end = time.monotonic() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr[-3000:]}")
+    marks = read_marks(proc.stdout, start)
+    return {"ready": marks["ready"][0], "exit": end, "weights": marks["used"][3][1]}
+
+
 def _summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
