@@ -164,3 +164,19 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 def last_json(proc: subprocess.CompletedProcess):
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# The LM of ``models`` loaded with monkey_patch_all(), compared with its file: equal weights, the
+# file mapped (a file segment), a hit.
+LOAD_AND_LOOK = """
+import json, overmind.api
+overmind.api.monkey_patch_all()
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+path = {path!r}
+model = AutoModelForCausalLM.from_pretrained(path)
+with safe_open(path + "/model.safetensors", "pt") as f:
+    equal = all(model.state_dict()[k].equal(f.get_tensor(k)) for k in f.keys())
+maps = open("/proc/self/maps").read()
+print(json.dumps({{"equal": equal, "maps_file": path + "/model.safetensors" in maps, "hit": overmind.api.cache_key_of(model) is not None}}))
+"""

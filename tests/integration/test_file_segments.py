@@ -13,20 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from .conftest import LEFT_TO_PAGE_CACHE, ServerProcess, last_json, lose_from_page_cache
-
-LOAD_AND_LOOK = """
-import json, overmind.api
-overmind.api.monkey_patch_all()
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM
-path = {path!r}
-model = AutoModelForCausalLM.from_pretrained(path)
-with safe_open(path + "/model.safetensors", "pt") as f:
-    equal = all(model.state_dict()[k].equal(f.get_tensor(k)) for k in f.keys())
-maps = open("/proc/self/maps").read()
-print(json.dumps({{"equal": equal, "maps_file": path + "/model.safetensors" in maps, "hit": overmind.api.cache_key_of(model) is not None}}))
-"""
+from .conftest import LEFT_TO_PAGE_CACHE, LOAD_AND_LOOK, ServerProcess, last_json, lose_from_page_cache
 
 
 def _status_until(server: ServerProcess, done, timeout: float = 60.0) -> dict:

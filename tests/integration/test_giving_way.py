@@ -17,23 +17,12 @@ from pathlib import Path
 
 from overmind.shared.host_memory import mem_available
 
-from .conftest import ServerProcess, last_json
+from .conftest import LOAD_AND_LOOK, ServerProcess, last_json
 
 GIB = 1 << 30
 HEADROOM_BELOW = 4 * GIB
 JOB_PAST = 2 * GIB
 
-LOAD = """
-import json, overmind.api
-overmind.api.monkey_patch_all()
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM
-path = {path!r}
-model = AutoModelForCausalLM.from_pretrained(path)
-with safe_open(path + "/model.safetensors", "pt") as f:
-    equal = all(model.state_dict()[k].equal(f.get_tensor(k)) for k in f.keys())
-print(json.dumps({{"equal": equal, "hit": overmind.api.cache_key_of(model) is not None}}))
-"""
 
 # A user's job: takes NBYTES of memory and touches every page, says so, holds it until stdin closes.
 JOB = """
@@ -45,6 +34,11 @@ for offset in range(0, n, mmap.PAGESIZE):
 print("held", flush=True)
 sys.stdin.read()
 """
+
+
+def _equal_and_hit(proc) -> tuple[bool, bool]:
+    out = last_json(proc)
+    return out["equal"], out["hit"]
 
 
 def _until(server: ServerProcess, done, timeout: float, what: str) -> dict:
@@ -64,8 +58,8 @@ def test_a_job_that_needs_the_memory_gets_it_and_the_cache_comes_back_after(runt
     server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "0", "OVERMIND_HEADROOM": str(headroom)})
     job = None
     try:
-        code = LOAD.format(path=str(models["lm"]))
-        assert last_json(server.run(code, env=server.client_env(OVERMIND_STRICT="1"))) == {"equal": True, "hit": True}
+        code = LOAD_AND_LOOK.format(path=str(models["lm"]))
+        assert _equal_and_hit(server.run(code, env=server.client_env(OVERMIND_STRICT="1"))) == (True, True)
         filled = server.wait_settled()
         assert filled["entries"] >= 1 and filled["file_segments"]["settled"] >= 1, filled
         assert [i for i in filled["interpreters"] if i["ready"]], filled["interpreters"]
@@ -89,7 +83,7 @@ def test_a_job_that_needs_the_memory_gets_it_and_the_cache_comes_back_after(runt
         assert sum(line.split("]: ", 1)[-1].startswith("memory is short") for line in log.splitlines()) == 1
 
         # While memory is short, a load is plain and starts no fill: nothing new is held.
-        assert last_json(server.run(code)) == {"equal": True, "hit": False}
+        assert _equal_and_hit(server.run(code)) == (True, False)
         assert server.status()["entries"] == 0
 
         job.stdin.close()
@@ -98,7 +92,7 @@ def test_a_job_that_needs_the_memory_gets_it_and_the_cache_comes_back_after(runt
         back = _until(server, lambda s: s["entries"] >= 1 and s["memory"]["comeback"]["pending"] == 0
                       and any(i["ready"] for i in s["interpreters"]), 120, "back")
         assert not back["memory"]["pressed"] and back["memory"]["comeback"]["done"] >= 2, back["memory"]
-        assert last_json(server.run(code)) == {"equal": True, "hit": True}
+        assert _equal_and_hit(server.run(code)) == (True, True)
     finally:
         if job is not None:
             job.kill()

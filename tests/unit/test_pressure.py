@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,18 @@ def _proc(root: Path, total: int, available: int, stall_us: int | None = None) -
             f"some avg10=0.00 avg60=0.00 avg300=0.00 total={stall_us}\n"
             f"full avg10=0.00 avg60=0.00 avg300=0.00 total={stall_us // 2}\n")
     return root
+
+
+def _guard(root: Path, registry: Registry | None = None, settler: Settler | None = None, clock=None) -> Guard:
+    """A guard with a 2 GiB headroom over the machine of the fixture tree ``root``, its settler
+    held back by it as the server's is; an empty registry and settler unless given."""
+    config = Config.from_env({"OVERMIND_HEADROOM": "2G"})
+    registry = registry if registry is not None else Registry(GIB)
+    settler = settler if settler is not None else Settler(registry, None, threading.Event())
+    guard = Guard(config, registry, WarmPool(config), settler, None, threading.Event(),
+                  host=HostMemory.read(str(root)), clock=clock or time.monotonic)
+    settler.pressed = guard.pressed
+    return guard
 
 
 def test_the_default_headroom_is_a_tenth_of_the_memory_between_1_and_8_gib():
@@ -97,9 +110,7 @@ def _cache(tmp_path: Path) -> tuple[Registry, Settler, tuple[int, int]]:
 def test_memory_short_lets_go_cheapest_first_settled_files_then_entries_that_hold_memfds(tmp_path, caplog):
     registry, settler, file_ident = _cache(tmp_path)
     root = _proc(tmp_path / "root", 24 * GIB, GIB)
-    config = Config.from_env({"OVERMIND_HEADROOM": "2G"})
-    guard = Guard(config, registry, WarmPool(config), settler, None, threading.Event(), host=HostMemory.read(str(root)))
-    settler.pressed = guard.pressed
+    guard = _guard(root, registry, settler)
     with caplog.at_level(logging.INFO, logger="overmind.server"):
         guard.tick()
     assert guard.pressed() and settler.pressed()
@@ -139,9 +150,7 @@ def test_a_settled_segment_whose_file_changed_stays_settled(tmp_path):
 def test_the_guard_waits_for_the_headroom_and_slack_then_calm_before_room_for_more(tmp_path):
     clock = _Clock()
     root = _proc(tmp_path, 24 * GIB, GIB)
-    config = Config.from_env({"OVERMIND_HEADROOM": "2G"})
-    guard = Guard(config, Registry(GIB), WarmPool(config), Settler(Registry(GIB), None, threading.Event()), None,
-                  threading.Event(), host=HostMemory.read(str(root)), clock=clock)
+    guard = _guard(root, clock=clock)
     guard.tick()
     assert guard.pressed() and not guard.room_for(0)
     _proc(tmp_path, 24 * GIB, 2 * GIB + (100 << 20))  # past the headroom, not past its slack (0.2 GiB)
@@ -171,9 +180,7 @@ class _Clock:
 def test_stalls_on_memory_press_only_when_memory_is_also_getting_low(tmp_path):
     clock = _Clock()
     root = _proc(tmp_path, 24 * GIB, 3 * GIB, stall_us=0)
-    config = Config.from_env({"OVERMIND_HEADROOM": "2G"})
-    guard = Guard(config, Registry(GIB), WarmPool(config), Settler(Registry(GIB), None, threading.Event()), None,
-                  threading.Event(), host=HostMemory.read(str(root)), clock=clock)
+    guard = _guard(root, clock=clock)
     guard.tick()  # the first look has nothing to compare with
     _proc(tmp_path, 24 * GIB, 3 * GIB, stall_us=300_000)  # 30 % of the last second stalled, under 2 x headroom
     clock.now += 1
@@ -184,9 +191,7 @@ def test_stalls_on_memory_press_only_when_memory_is_also_getting_low(tmp_path):
 def test_stalls_with_plenty_of_memory_available_are_not_ours_to_answer(tmp_path):
     clock = _Clock()
     root = _proc(tmp_path, 24 * GIB, 12 * GIB, stall_us=0)
-    config = Config.from_env({"OVERMIND_HEADROOM": "2G"})
-    guard = Guard(config, Registry(GIB), WarmPool(config), Settler(Registry(GIB), None, threading.Event()), None,
-                  threading.Event(), host=HostMemory.read(str(root)), clock=clock)
+    guard = _guard(root, clock=clock)
     guard.tick()
     _proc(tmp_path, 24 * GIB, 12 * GIB, stall_us=500_000)
     clock.now += 1
@@ -235,9 +240,7 @@ def test_stalls_that_go_on_let_go_one_thing_a_window(tmp_path):
     registry, settler, _ = _cache(tmp_path)
     clock = _Clock()
     root = _proc(tmp_path / "root", 24 * GIB, 3 * GIB, stall_us=0)
-    config = Config.from_env({"OVERMIND_HEADROOM": "2G"})
-    guard = Guard(config, registry, WarmPool(config), settler, None, threading.Event(),
-                  host=HostMemory.read(str(root)), clock=clock)
+    guard = _guard(root, registry, settler, clock)
     guard.tick()
     for second in (1, 2):  # 30 % of each second stalled, 3 GiB available: under 2 x headroom, over the headroom
         _proc(tmp_path / "root", 24 * GIB, 3 * GIB, stall_us=300_000 * second)
