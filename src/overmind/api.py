@@ -170,11 +170,12 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
     Idempotent; imports none of the patched libraries (see the module docstring).
     """
-    from overmind.shared.config import extra_patch_points, flag, patching_disabled, prestart_enabled, quick_exit_enabled
+    from overmind.shared.config import (extra_patch_points, flag, patching_disabled, prestart_enabled,
+                                        quick_exit_enabled, warm_start_enabled)
 
     if patching_disabled():
         return
-    if os.environ.get("OVERMIND_WARM_START", "").strip() == "1":
+    if warm_start_enabled() and not is_patched():
         from overmind.client.warm_start import hand_off_script
 
         hand_off_script(sys._getframe(1))  # returns only if this process should run the script itself
@@ -222,7 +223,10 @@ def _prepare() -> None:
         if not in_warm_run():  # a forked run's interpreter serves its context already
             # Note [A run's interpreter imports under the run's environment] in overmind.server.pool:
             # an interpreter this starts imports under this process's environment, as the run's would.
-            conn.simple(P.Prepare(caller_context(), env=dict(os.environ)), P.Ok, timeout=config.reply_timeout)
+            from overmind.client.warm_start import declined  # Note [When a warm start applies]
+
+            conn.simple(P.Prepare(caller_context(), env=dict(os.environ), plain=declined), P.Ok,
+                        timeout=config.reply_timeout)
         from overmind.client import prefetch  # Note [Prefetch] in overmind.client.prefetch
 
         server_pid, entries = prefetch.plan(conn)

@@ -94,7 +94,7 @@ def _plain_argv(python: str, mode: str, target: str, args: list[str]) -> list[st
 
 def _teaching_env() -> dict:
     """The environment of a run that goes plain, with overmind.client.first_run first on PYTHONPATH:
-    Note [The first run teaches] in overmind.client.first_run.sitecustomize (which puts it back)."""
+    Note [The first run teaches] in overmind.client.teach (which puts it back)."""
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "client", "first_run")
     old = os.environ.get("PYTHONPATH")
     return dict(os.environ, PYTHONPATH=here + (os.pathsep + old if old else ""),

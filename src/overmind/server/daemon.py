@@ -149,7 +149,7 @@ class Server:
     # An ``overmind run`` that finds no server starts one and runs plainly (Note [Never worse than
     # plain python] in overmind.frontend.run); the fills its loads start fork from the context's
     # warm interpreter, which imports what the run imports as the run reports it (Note [The first
-    # run teaches] in overmind.client.first_run.sitecustomize). Started by that report, once this
+    # run teaches] in overmind.client.teach). Started by that report, once this
     # server listened, the interpreter began 0.25-0.33 s after the run's first line and finished
     # the ControlNet script's imports 0.55-0.85 s after the run did (users' venv, 2 cores), so
     # the run's first fill waited that long for a fork and its run 2, started as run 1 exited,
@@ -363,6 +363,8 @@ class Server:
             except ValueError as err:
                 return reply_error(conn, P.ErrorCode.BAD_REQUEST, str(err))
             packages = packages_from_wire(message.packages)  # Note [AOTInductor packages are handed over]
+            if message.plain:  # Note [When a warm start applies] in overmind.client.warm_start
+                self.pool.goes_plain(context, pid, message.plain[:MAX_TEXT])
             threading.Thread(target=self.pool.prepare, args=(context, modules, packages, env), daemon=True,
                              name="overmind-prepare").start()
             P.send_message(conn, P.Ok())
@@ -380,6 +382,7 @@ class Server:
     def _run(self, conn: socket.socket, message: P.Run, fds: list[int], pid: int) -> bool:
         """``overmind run``: hand the connection and the caller's stdio to a warm interpreter.
         True once handed over; else the front end got RunRefused and runs plainly."""
+        context = None
         try:
             if len(fds) != 3:
                 raise RunRefused(f"a run brings its stdin, stdout and stderr, not {len(fds)} fds")
@@ -387,7 +390,7 @@ class Server:
             child = self.pool.fork_run(context, spec, [*fds, conn.fileno()])
         except (RunRefused, LoadFailure) as why:
             reason = why.message if isinstance(why, LoadFailure) else str(why)
-            logger.info("run for pid %d goes plain: %s", pid, reason)
+            self.pool.goes_plain(context, pid, reason)
             P.send_message(conn, P.RunRefused(reason[:MAX_TEXT]))
             return False
         finally:

@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Optional
 
 from overmind.shared import protocol as P
 from overmind.shared.config import Config
@@ -46,6 +46,7 @@ __all__ = ["WarmPool", "LoadFailure", "context_from_wire", "run_from_wire"]
 
 MAX_CANNOT_FORK = 3  # interpreters of a lineage retired in a row as unable to fork, before its runs go plain
 MAX_ENVIRONMENTS = 64  # lineages whose last environment given is kept (Note [One interpreter per lineage])
+MAX_SAID_PLAIN = 1024  # (lineage, reason) pairs already logged at INFO (WarmPool.goes_plain)
 NOTICE_POLL = 0.25  # seconds between looks for an interpreter's Unforkable (WarmPool.watch_notices)
 
 
@@ -81,6 +82,7 @@ class WarmPool:
         self.lock = threading.Lock()
         self.interpreters: "OrderedDict[str, WarmProcess]" = OrderedDict()
         self.lessons = Lessons()  # what each lineage learned (overmind.server.lessons)
+        self._said_plain: set[tuple[str, str]] = set()
         self.retired = 0
         self.closed = False  # the server is stopping: close() was called
         self._cannot_fork: dict[str, int] = {}  # lineage -> interpreters retired as unable to fork
@@ -264,6 +266,15 @@ class WarmPool:
         own), or for the run that started this server (overmind.server.daemon)."""
         threading.Thread(target=self.prepare, args=(context,), kwargs={"env": env}, daemon=True,
                          name="overmind-prepare").start()
+
+    def goes_plain(self, context: Optional[Context], pid: int, reason: str) -> None:
+        """A run that runs in its own process: the log says why, once per context and reason."""
+        said = (context.lineage if context is not None else "", reason)
+        with self.lock:
+            first = said not in self._said_plain
+            if first and len(self._said_plain) < MAX_SAID_PLAIN:
+                self._said_plain.add(said)
+        logger.log(logging.INFO if first else logging.DEBUG, "pid %d runs in its own process: %s", pid, reason)
 
     def fork_run(self, context: Context, spec: RunSpec, fds: list[int]) -> int:
         """Fork a run from the context's ready interpreter; its pid, or RunRefused (and one is

@@ -23,8 +23,9 @@ The client's settings (your scripts' environment):
                            the server fills the cache; ``wait``: the caller waits for the
                            cache (always so with ``OVERMIND_STRICT=1``).
 ``OVERMIND_PATCH``         extra patch points, ``module::Qualname.attr``, comma separated.
-``OVERMIND_WARM_START``    ``1``: ``monkey_patch_all()`` at the top of a script hands the run
-                           to a warm interpreter, as ``overmind run`` does (overmind.api).
+``OVERMIND_WARM_START``    ``0``: ``monkey_patch_all()`` at the top of a script never hands
+                           the run to a warm interpreter; by default (or ``1``) it does where
+                           that is safe (overmind.client.warm_start).
 ``OVERMIND_NO_EXT``        ``1``: install and run without the compiled ``overmind._C``
                            (read by ``setup.py`` and ``overmind.shared.native``).
 =========================  =========================================================
@@ -70,7 +71,7 @@ if TYPE_CHECKING:
     from typing import Callable, Optional
 
 __all__ = ["Config", "ConfigError", "default_runtime_dir", "default_state_dir", "ensure_private_dir",
-           "open_runtime_file", "lock_within",
+           "open_runtime_file", "lock_within", "warm_start_enabled",
            "write_runtime_file", "read_runtime_file", "patching_disabled", "prestart_enabled",
            "extra_patch_points", "flag", "selecting_environment", "ENV_PREFIXES", "ENV_NAMES", "FLAG_SPELLINGS",
            "LOG_LEVELS", "LOG_FORMAT", "COLD_MODES", "PREPARE_VARIABLE"]
@@ -571,6 +572,11 @@ def patching_disabled(env=None) -> bool:
 def prestart_enabled(env=None) -> bool:
     """``OVERMIND_PRESTART`` (default on)."""
     return flag("OVERMIND_PRESTART", env, default=True)
+
+
+def warm_start_enabled(env=None) -> bool:
+    """``OVERMIND_WARM_START`` (default on): Note [When a warm start applies] in overmind.client.warm_start."""
+    return flag("OVERMIND_WARM_START", env, default=True)
 
 
 def quick_exit_enabled(env=None) -> bool:

@@ -23,9 +23,13 @@ from typing import Optional
 from overmind.shared.config import selecting_environment
 
 __all__ = ["Context", "RunSpec", "caller_context", "load_context_from_wire", "environment_from_wire", "MODES",
-           "mark_warm_run", "in_warm_run"]
+           "mark_warm_run", "in_warm_run", "RUN_OPTIONS", "UNBUFFERED"]
 
 MODES = ("script", "module", "code")
+# Interpreter options a warm child can reproduce: -u only sets how the run's stdio is made
+# (overmind.warm.startup.install_stdio), and torchrun starts every rank with it.
+UNBUFFERED = "-u"
+RUN_OPTIONS = (UNBUFFERED,)
 
 
 @dataclass(frozen=True)
@@ -125,20 +129,27 @@ class RunSpec:
     umask: int
     ignored_signals: frozenset = frozenset()
     oom_score_adj: Optional[int] = None  # the caller's: Note [The cache dies first] in overmind.warm.oom
+    # The caller's Traits on the wire, which the child takes on (Note [A hand-over is the same
+    # process or none] in overmind.warm.match); None: nothing to match (a test's own spec).
+    traits: Optional[dict] = None
+    options: tuple = ()  # interpreter options a hand-over reproduces: only UNBUFFERED
 
     @classmethod
-    def of_caller(cls, mode: str, target: str, args: list[str]) -> "RunSpec":
+    def of_caller(cls, mode: str, target: str, args: list[str], options: tuple = ()) -> "RunSpec":
         import signal
+
+        from overmind.shared.traits import Traits
 
         umask = os.umask(0o022)
         os.umask(umask)
         ignored = frozenset(int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                             and signal.getsignal(s) == signal.SIG_IGN)
-        return cls(mode, target, tuple(args), os.getcwd(), dict(os.environ), umask, ignored, _own_oom_score_adj())
+        return cls(mode, target, tuple(args), os.getcwd(), dict(os.environ), umask, ignored, _own_oom_score_adj(),
+                   Traits.own().to_wire(), tuple(options))
 
     def to_wire(self) -> dict:
         wire = asdict(self)
-        wire.update(argv=list(self.argv), ignored_signals=sorted(self.ignored_signals))
+        wire.update(argv=list(self.argv), ignored_signals=sorted(self.ignored_signals), options=list(self.options))
         return wire
 
     @classmethod
@@ -165,7 +176,16 @@ class RunSpec:
         oom = spec.get("oom_score_adj")
         if oom is not None and not (isinstance(oom, int) and not isinstance(oom, bool) and -1000 <= oom <= 1000):
             raise ValueError(f"run spec field 'oom_score_adj' must be an integer in [-1000, 1000], got {oom!r:.80}")
-        return cls(mode, target, tuple(argv), need("cwd", str), dict(env), need("umask", int), frozenset(ignored), oom)
+        traits = spec.get("traits")
+        if traits is not None:
+            from overmind.shared.traits import Traits
+
+            traits = Traits.from_wire(traits).to_wire()
+        options = spec.get("options") or []
+        if not (isinstance(options, list) and set(options) <= set(RUN_OPTIONS)):
+            raise ValueError(f"run spec field 'options' may hold only {RUN_OPTIONS}, got {options!r:.80}")
+        return cls(mode, target, tuple(argv), need("cwd", str), dict(env), need("umask", int), frozenset(ignored), oom,
+                   traits, tuple(options))
 
 
 def _own_oom_score_adj() -> Optional[int]:

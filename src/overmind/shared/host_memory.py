@@ -37,7 +37,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Limit", "Stall", "HostMemory", "mem_available", "ram_total", "V1_UNLIMITED"]
+__all__ = ["Limit", "Stall", "HostMemory", "CgroupMount", "cgroup_mounts", "is_under", "mem_available", "ram_total",
+           "V1_UNLIMITED"]
 
 # v1 writes "no limit" as its page counter's maximum in bytes (9223372036854771712 with 4 KiB
 # pages, a little less with larger pages): anything this big is no limit.
@@ -124,7 +125,7 @@ def _limit_value(text: Optional[str], version: int) -> Optional[int]:
 
 
 @dataclass(frozen=True)
-class _Mount:
+class CgroupMount:
     root: str  # the cgroup the mount shows at its mount point
     point: str  # absolute, in our mount namespace
     fstype: str
@@ -136,7 +137,7 @@ def _unescape(field: str) -> str:
     return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field)
 
 
-def _mounts(root: str) -> list[_Mount]:
+def cgroup_mounts(root: str = "/") -> list[CgroupMount]:
     """cgroup mounts from mountinfo: ``id parent maj:min root point opts [optional...] - fstype source superopts``."""
     mounts = []
     for line in (_read(_under(root, "proc/self/mountinfo")) or "").splitlines():
@@ -147,7 +148,7 @@ def _mounts(root: str) -> list[_Mount]:
         if len(fields) < sep + 2 or not fields[sep + 1].startswith("cgroup"):
             continue
         superopts = tuple(fields[sep + 3].split(",")) if len(fields) > sep + 3 else ()
-        mounts.append(_Mount(_unescape(fields[3]), _unescape(fields[4]), fields[sep + 1], superopts))
+        mounts.append(CgroupMount(_unescape(fields[3]), _unescape(fields[4]), fields[sep + 1], superopts))
     return mounts
 
 
@@ -170,14 +171,14 @@ def _parts(path: str) -> list[str]:
     return [p for p in path.split("/") if p and p != "."]
 
 
-def _is_under(path: str, mount_root: str) -> bool:
+def is_under(path: str, mount_root: str) -> bool:
     parts, base = _parts(path), _parts(mount_root)
     return ".." not in parts and parts[: len(base)] == base
 
 
 def _relative(path: str, mount_root: str, point: str) -> list[str]:
     """Our cgroup's directories below the mount point; none when the mount cannot show us."""
-    if not _is_under(path, mount_root):
+    if not is_under(path, mount_root):
         return []  # e.g. a cgroup namespace's "/.." or a foreign mount: its point is all we see
     rel = _parts(path)[len(_parts(mount_root)):]
     return rel if os.path.isdir(os.path.join(point, *rel)) else []
@@ -186,8 +187,8 @@ def _relative(path: str, mount_root: str, point: str) -> list[str]:
 def _hierarchy(root: str) -> Optional[tuple[int, str, list[str]]]:
     """The memory hierarchy in use: its version, its mount point under root, our path below it."""
     v2_path, v1_path = _own_paths(root)
-    mounts = _mounts(root)
-    candidates: list[tuple[int, str, _Mount]] = []
+    mounts = cgroup_mounts(root)
+    candidates: list[tuple[int, str, CgroupMount]] = []
     if v2_path is not None:
         # A hybrid host mounts v2 at /sys/fs/cgroup/unified without the memory controller.
         candidates = [(2, v2_path, m) for m in mounts if m.fstype == "cgroup2" and "memory" in
@@ -197,7 +198,7 @@ def _hierarchy(root: str) -> Optional[tuple[int, str, list[str]]]:
     if not candidates:
         return None
     # Several mounts (a bind mount, the host's tree): prefer one that shows our own cgroup.
-    version, path, mount = min(candidates, key=lambda c: not _is_under(c[1], c[2].root))
+    version, path, mount = min(candidates, key=lambda c: not is_under(c[1], c[2].root))
     point = _under(root, mount.point)
     return version, point, _relative(path, mount.root, point)
 

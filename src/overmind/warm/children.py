@@ -28,6 +28,7 @@ from overmind.shared import protocol as P
 __all__ = ["Children"]
 
 MAX_REPORT = 4 << 20  # bytes of a run's module report
+MAX_REASON = 4096  # bytes of a child's reason for not taking on its caller's traits
 
 
 class _RunChild:
@@ -136,7 +137,8 @@ class Children:
         return pid
 
     def fork_run(self, fork: P.Fork, fds: list[int], in_child: Callable[[], None]) -> int:
-        """The run's pid; -1 when its front end had already left (then nothing runs: never twice, never late)."""
+        """The run's pid; -1 when its front end had already left (then nothing runs: never twice, never
+        late); CannotMatch when the child could not become its caller's process (then nothing ran)."""
         stdin, stdout, stderr, conn_fd = fds
         conn = socket.socket(fileno=conn_fd)
         try:
@@ -147,6 +149,7 @@ class Children:
         except BlockingIOError:
             pass
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        matched_r, matched_w = os.pipe2(os.O_CLOEXEC)
         gc.freeze()  # Note [Frozen before forking] in overmind.warm.interpreter
         pid = os.fork()
         if pid == 0:
@@ -154,12 +157,25 @@ class Children:
                 in_child()
                 conn.close()
                 os.close(report_r)
+                os.close(matched_r)
+                _take_on_caller(fork.spec, matched_w)
                 _report_modules_at_exit(report_w)
                 from overmind.warm.script import become
 
                 become(fork.spec, stdin, stdout, stderr)
             finally:
                 os._exit(1)
+        os.close(matched_w)
+        why = _read_all(matched_r)
+        if why:  # it has exited, having run nothing: Note [A hand-over is the same process or none]
+            os.close(report_r)
+            os.close(report_w)
+            P.close_fds([stdin, stdout, stderr])
+            conn.close()
+            os.waitpid(pid, 0)
+            from overmind.warm.match import CannotMatch
+
+            raise CannotMatch(why)
         P.close_fds([stdin, stdout, stderr, report_w])
         os.set_blocking(report_r, False)
         self.runs[pid] = _RunChild(conn, report_r)
@@ -176,6 +192,33 @@ class Children:
             child.conn.close()
             if child.report >= 0:
                 os.close(child.report)
+
+
+def _take_on_caller(spec: dict, matched_w: int) -> None:
+    """In the run's child: become the caller's process (overmind.warm.match), closing ``matched_w``
+    empty; or write why not to it and leave before anything of the run starts."""
+    from overmind.shared.traits import Traits
+    from overmind.warm.match import CannotMatch, take_on
+
+    traits = spec.get("traits") if isinstance(spec, dict) else None
+    try:
+        if traits is not None:
+            take_on(Traits.from_wire(traits))
+    except (CannotMatch, ValueError) as err:
+        os.write(matched_w, str(err).encode(errors="replace")[:MAX_REASON])
+        os._exit(1)
+    os.close(matched_w)
+
+
+def _read_all(fd: int) -> str:
+    """What the child wrote before closing its end (it is quick: a few small reads and writes)."""
+    data = b""
+    try:
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    finally:
+        os.close(fd)
+    return data.decode(errors="replace")
 
 
 def _read_report(child: _RunChild, final: bool = False) -> None:

@@ -121,7 +121,7 @@ def become(spec: dict, stdin_fd: int, stdout_fd: int, stderr_fd: int) -> NoRetur
 
 def _command(run: RunSpec) -> list[str]:
     """The equivalent plain python's ``sys.orig_argv``."""
-    return [sys.orig_argv[0] if sys.orig_argv else sys.executable, *startup.interpreter_options(),
+    return [sys.orig_argv[0] if sys.orig_argv else sys.executable, *startup.interpreter_options(), *run.options,
             *{"code": ["-c"], "module": ["-m"], "script": []}[run.mode], run.target, *run.argv]
 
 
@@ -145,7 +145,7 @@ def _prepare(run: RunSpec) -> bool:
     os.chdir(run.cwd)
     os.umask(run.umask)
     utf8, ctype = startup.apply_locale(run.env)
-    startup.install_stdio(run.env, utf8, ctype, keep=_INTERPRETER_STREAMS)
+    startup.install_stdio(run.env, utf8, ctype, keep=_INTERPRETER_STREAMS, options=run.options)
     if ctype == "C" and startup.pyenv(run.env, "PYTHONCOERCECLOCALE") == "warn":
         sys.stderr.write(startup.C_LOCALE_WARNING)  # left uncoerced (LC_ALL is set): CPython says so
     _reset_interpreter_state(run.env)

@@ -39,12 +39,13 @@ def interpreter_options() -> list[str]:
     return argv[1:argv.index("-c")] if "-c" in argv[1:] else []
 
 
-def run_flag(letters: str, name: str, env: dict[str, str]) -> bool:
-    """A start-up option of this run: given on the warm interpreter's command line (one of ``letters``:
-    -u, -B, -P, -I), or set by ``name`` in the run's environment. The warm interpreter's environment set
-    sys.flags too, but it was the warm interpreter's, not the run's."""
+def run_flag(letters: str, name: str, env: dict[str, str], options: tuple = ()) -> bool:
+    """A start-up option of this run: given on the warm interpreter's command line or the run's own
+    (``options``, RunSpec.options), as one of ``letters`` (-u, -B, -P, -I), or set by ``name`` in the
+    run's environment. The warm interpreter's environment set sys.flags too, but it was the warm
+    interpreter's, not the run's."""
     given = set()
-    for option in interpreter_options():
+    for option in [*interpreter_options(), *options]:
         if option[:1] == "-" and option[:2] != "--":
             given.update(option[1:].split("W")[0].split("X")[0])  # a -W/-X value holds no flags
     return bool(given & set(letters)) or bool(pyenv(env, name))
@@ -104,13 +105,13 @@ def _stdio_encoding(env: dict[str, str], utf8: bool, ctype: str) -> tuple[str, s
     return encoding, errors
 
 
-def install_stdio(env: dict[str, str], utf8: bool, ctype: str, keep: list) -> None:
+def install_stdio(env: dict[str, str], utf8: bool, ctype: str, keep: list, options: tuple = ()) -> None:
     """New sys.std* over fds 0-2 as CPython would make them for this environment; the old ones
     go to ``keep`` (Note [Warm interpreter stdio is never flushed in the child] in overmind.warm.script)."""
     keep.extend([sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__,
                             sys.__stderr__])
     encoding, errors = _stdio_encoding(env, utf8, ctype)
-    unbuffered = run_flag("u", "PYTHONUNBUFFERED", env)
+    unbuffered = run_flag("u", "PYTHONUNBUFFERED", env, options)
     sys.stdin = sys.__stdin__ = _create_stdio(0, "<stdin>", encoding, errors, unbuffered)
     sys.stdout = sys.__stdout__ = _create_stdio(1, "<stdout>", encoding, errors, unbuffered)
     sys.stderr = sys.__stderr__ = _create_stdio(2, "<stderr>", encoding, "backslashreplace", unbuffered)

@@ -203,6 +203,9 @@ class Prepare(Message):
     # A plain first run's whole environment: a new interpreter imports under it (Note [A run's
     # interpreter imports under the run's environment] in overmind.server.pool); {}: the context's.
     env: dict = {}
+    # Why a script's monkey_patch_all() runs it in its own process, for the server's log (Note
+    # [When a warm start applies] in overmind.client.warm_start); "": it did not decline.
+    plain: str = ""
 
 
 # -- overmind run: front end <-> server <-> warm interpreter ----------------------
