@@ -223,10 +223,7 @@ def _prepare() -> None:
         if not in_warm_run():  # a forked run's interpreter serves its context already
             # Note [A run's interpreter imports under the run's environment] in overmind.server.pool:
             # an interpreter this starts imports under this process's environment, as the run's would.
-            from overmind.client.warm_start import declined  # Note [When a warm start applies]
-
-            conn.simple(P.Prepare(caller_context(), env=dict(os.environ), plain=declined), P.Ok,
-                        timeout=config.reply_timeout)
+            conn.simple(P.Prepare(caller_context(), env=dict(os.environ)), P.Ok, timeout=config.reply_timeout)
         from overmind.client import prefetch  # Note [Prefetch] in overmind.client.prefetch
 
         server_pid, entries = prefetch.plan(conn)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -180,3 +181,61 @@ with safe_open(path + "/model.safetensors", "pt") as f:
 maps = open("/proc/self/maps").read()
 print(json.dumps({{"equal": equal, "maps_file": path + "/model.safetensors" in maps, "hit": overmind.api.cache_key_of(model) is not None}}))
 """
+
+
+# -- runs handed to a warm interpreter (``overmind run``, and a script's warm start) ------------
+
+OVERMIND = str(Path(sys.executable).parent / "overmind")
+
+
+def overmind_run(server: ServerProcess, *args, env=None, **kwargs) -> subprocess.CompletedProcess:
+    """``overmind run ARGS`` against ``server``; stdout and stderr captured unless given."""
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    kwargs.setdefault("timeout", 120)
+    return subprocess.run([OVERMIND, "run", *args], env=env or server.client_env(), text=True, **kwargs)
+
+
+def runs_forked(server: ServerProcess) -> int:
+    return server.status()["runs"]
+
+
+def wait_warm(server: ServerProcess, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(z["ready"] for z in server.status()["interpreters"]):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no warm interpreter after {timeout}s: {server.status()['interpreters']}")
+
+
+def started_warm_server(prefix: str):
+    """A real server whose warm interpreter is ready, for a module's fixture to ``yield from``."""
+    runtime = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    server = ServerProcess(runtime)
+    overmind_run(server, "-c", "pass")  # refused: starts the warm interpreter
+    wait_warm(server)
+    yield server
+    server.stop()
+    subprocess.run(["rm", "-rf", str(runtime)])
+
+
+def plain_python(*args, env, cwd, umask=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=120, cwd=cwd,
+                          preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+
+
+def curve(server: ServerProcess, script: Path, env: dict, runs: int = 3) -> list[tuple[bool, dict]]:
+    """Runs 1..``runs`` of ``overmind run script``, each after the last one's fill: (forked, output)."""
+    outputs = []
+    for _ in range(runs):
+        before = runs_forked(server)
+        proc = overmind_run(server, str(script), env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs.append((runs_forked(server) > before, last_json(proc)))
+        server.wait_idle()
+        try:
+            wait_warm(server)
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{server.log()[-20000:]}") from None
+    return outputs

@@ -99,10 +99,10 @@ SCHEMA["whole_process"] = (WHOLE, None)
 CURVE_RUN = {"wall": float, "ready": (float, None), "used": (float, None), "sum": (int, None), "hits": int,
              "misses": int, "forked": bool, "fallback": bool}
 CURVE = {
-    "rounds": int, "plain_runs": int, "modes": [("patched", "run")], "drop": (str, None),
+    "rounds": int, "plain_runs": int, "modes": [("patched", "dropin", "run")], "drop": (str, None),
     "scripts": [{"name": str, "title": str, "command": str, "page_cache": ("warm", "cold"),
                  "shmem_enabled": (str, None), "status": ("ok", "skipped", "failed"), "reason": (str, None), "plain": (SUMMARY, None),
-                 "modes": [{"mode": ("patched", "run"),
+                 "modes": [{"mode": ("patched", "dropin", "run"),
                             "runs": [{"run": ("1", "2", "3", "4", "5", "restart"), "runs": [CURVE_RUN],
                                       "wall": (SUMMARY, None), "x_plain": (float, None)}]}]}],
 }
@@ -229,7 +229,7 @@ def test_warm_up_curve_runs_each_mode_from_a_fresh_server_and_every_run_reads_pl
     doc = json.loads(out.read_text())
     check_schema(doc, SCHEMA)
     curve = doc["warmup_curve"]
-    assert (curve["rounds"], curve["plain_runs"], curve["modes"], curve["drop"]) == (1, 2, ["patched", "run"], None)
+    assert (curve["rounds"], curve["plain_runs"], curve["modes"], curve["drop"]) == (1, 2, ["patched", "dropin", "run"], None)
     [lm] = curve["scripts"]
     assert (lm["name"], lm["page_cache"], lm["status"], lm["plain"]["n"]) == ("lm", "warm", "ok", 4)
     for mode in lm["modes"]:
@@ -242,6 +242,8 @@ def test_warm_up_curve_runs_each_mode_from_a_fresh_server_and_every_run_reads_pl
         assert (runs["restart"]["hits"], runs["restart"]["misses"]) == (1, 0), (mode["mode"], runs["restart"])
         assert runs["5"]["hits"] == 1 and runs["5"]["misses"] == 0, (mode["mode"], runs)
         assert not runs["1"]["forked"]  # the first overmind run of a fresh server goes plain
+        # README's one line hands the run over from run 2, as overmind run does; =0 never does.
+        assert runs["5"]["forked"] == (mode["mode"] != "dropin"), (mode["mode"], runs["5"])
         assert all(r["x_plain"] > 0 for r in mode["runs"])
     assert "warm-up curve: runs 1-5 of a script back to back" in proc.stdout
     assert proc.stdout.index("warm-up curve") < proc.stdout.index("\nlm: `python lm.py`")

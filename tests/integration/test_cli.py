@@ -277,12 +277,13 @@ def test_global_options_before_run_reach_the_run_and_its_script(server, tmp_path
     # front end and for the script's own monkey_patch_all(), which reads the environment.
     env = child_env(OVERMIND_RUNTIME_DIR=str(tmp_path / "elsewhere"), OVERMIND_NO_AUTOSTART="1")
     show = "import os; print(os.environ['OVERMIND_RUNTIME_DIR'])"
-    runs = server.log().count("run for pid ")  # forked, or refused and run plainly
+    runs = server.status()["runs"] + server.status()["runs_plain"]  # forked, or refused and run plainly
     for option in (["--runtime-dir", str(server.runtime_dir)], [f"--runtime-dir={server.runtime_dir}"],
                    ["--runtime", str(server.runtime_dir)]):
         proc = _overmind(*option, "run", "-c", show, env=env)
         assert proc.returncode == 0 and proc.stdout == f"{server.runtime_dir}\n", (option, proc.stderr)
-    assert server.log().count("run for pid ") == runs + 3, server.log()[-3000:]  # each asked this server
+    status = server.status()
+    assert status["runs"] + status["runs_plain"] == runs + 3, server.log()[-3000:]  # each asked this server
     assert not (tmp_path / "elsewhere").exists()
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from .test_run import _env, _plain, _run, _runs, _wait_warm, started_warm_server
+
+from .conftest import overmind_run, plain_python, runs_forked, started_warm_server, wait_warm
 
 pytestmark = pytest.mark.slow  # each compiles a tiny model once (seconds to tens of seconds on 2 cores)
 
@@ -67,7 +68,7 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cache_env(compiled_server, work) -> dict:
-    return _env(compiled_server, TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
+    return compiled_server.client_env(TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def package(work, cache_env) -> Path:
 ep = torch.export.export(model, (example,))
 torch._inductor.aoti_compile_and_package(ep, package_path={str(path)!r})
 """)
-    proc = _plain(str(script), env=cache_env, cwd=work)
+    proc = plain_python(str(script), env=cache_env, cwd=work)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stamp = time.time() - 60
     os.utime(path, (stamp, stamp))
@@ -92,11 +93,11 @@ def _warm_until(server, args, env, cwd, done, timeout: float = 240) -> list:
     seen = []
     deadline = time.monotonic() + timeout
     while True:
-        _wait_warm(server)
-        before = _runs(server)
-        proc = _run(server, *args, env=env, cwd=cwd)
+        wait_warm(server)
+        before = runs_forked(server)
+        proc = overmind_run(server, *args, env=env, cwd=cwd)
         assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{server.log()[-2000:]}"
-        forked = _runs(server) > before
+        forked = runs_forked(server) > before
         out = json.loads(proc.stdout.splitlines()[-1])
         seen.append((forked, out))
         if forked and done(out):
@@ -109,7 +110,7 @@ def test_a_compiled_script_is_forked_holding_the_compile_stack_and_inductors_pro
                                                                                    cache_env):
     script = work / "compile.py"
     script.write_text(COMPILE)
-    plain = json.loads(_plain(str(script), env=cache_env, cwd=work).stdout)  # also fills Inductor's caches
+    plain = json.loads(plain_python(str(script), env=cache_env, cwd=work).stdout)  # also fills Inductor's caches
     assert plain["isas"] and not plain["held"] and not plain["probed"]
     seen = _warm_until(compiled_server, [str(script)], cache_env, work, lambda out: out["held"] and out["probed"])
     for _, out in seen:
@@ -122,7 +123,7 @@ def test_a_compiled_script_that_turns_the_vector_isa_off_sees_none_as_in_plain_p
     # valid_vec_isa_list() caches at its first call.
     script = work / "compile.py"
     script.write_text(COMPILE)
-    plain = json.loads(_plain(str(script), "no-isa", env=cache_env, cwd=work).stdout)
+    plain = json.loads(plain_python(str(script), "no-isa", env=cache_env, cwd=work).stdout)
     assert plain["isas"] == []
     seen = _warm_until(compiled_server, [str(script), "no-isa"], cache_env, work, lambda out: out["probed"])
     for _, out in seen:
@@ -133,7 +134,7 @@ def test_an_aoti_package_is_loaded_in_the_warm_interpreter_and_handed_to_the_run
                                                                                 package):
     script = work / "aoti.py"
     script.write_text(AOTI)
-    plain = json.loads(_plain(str(script), str(package), env=cache_env, cwd=work).stdout)  # teaches the server
+    plain = json.loads(plain_python(str(script), str(package), env=cache_env, cwd=work).stdout)  # teaches the server
     assert not plain["handed"] and plain["type"] == "AOTICompiledModel"
     seen = _warm_until(compiled_server, [str(script), str(package)], cache_env, work, lambda out: out["handed"])
     for _, out in seen:
@@ -147,10 +148,10 @@ def test_a_changed_package_is_never_handed_over(compiled_server, work, cache_env
     _warm_until(compiled_server, [str(script), str(package)], cache_env, work, lambda out: out["handed"])
     stamp = time.time() - 30
     os.utime(package, (stamp, stamp))  # a new mtime (and ctime): the preloaded runner is stale
-    _wait_warm(compiled_server)
-    before = _runs(compiled_server)
-    proc = _run(compiled_server, str(script), str(package), env=cache_env, cwd=work)
-    assert _runs(compiled_server) == before + 1, proc.stderr[-2000:]  # forked, from the interpreter that preloaded
+    wait_warm(compiled_server)
+    before = runs_forked(compiled_server)
+    proc = overmind_run(compiled_server, str(script), str(package), env=cache_env, cwd=work)
+    assert runs_forked(compiled_server) == before + 1, proc.stderr[-2000:]  # forked, from the interpreter that preloaded
     assert not json.loads(proc.stdout)["handed"], proc.stdout
     # ...and the run taught it again: a later run gets the package as it is now.
     _warm_until(compiled_server, [str(script), str(package)], cache_env, work, lambda out: out["handed"])
@@ -171,10 +172,10 @@ def test_an_interpreter_that_started_a_thread_pool_is_never_forked_past(compiled
         outputs = []
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            _wait_warm(compiled_server)
-            before = _runs(compiled_server)
-            proc = _run(compiled_server, str(script), env=cache_env, cwd=tmp_path)  # 120 s: a hang fails here
-            forked = _runs(compiled_server) > before
+            wait_warm(compiled_server)
+            before = runs_forked(compiled_server)
+            proc = overmind_run(compiled_server, str(script), env=cache_env, cwd=tmp_path)  # 120 s: a hang fails here
+            forked = runs_forked(compiled_server) > before
             outputs.append((forked, proc.stdout))
             assert proc.returncode == 0 and proc.stdout == "False 134217728.0\n", outputs  # never forked past it
             if len(outputs) >= 4 and all(f for f, _ in outputs[-2:]):

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from ..conftest import age_files
-from .conftest import last_json
-from .test_run import _curve
+from .conftest import curve, last_json
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -70,7 +69,7 @@ def test_overmind_run_of_a_gpu_script_forks_from_run_2(server, models, tmp_path)
     script = tmp_path / "unet_cuda.py"
     script.write_text(UNET_ON_CUDA.format(path=str(models["unet"])))
     age_files(script)
-    runs = _curve(server, script, server.client_env(MODE="patched"))
+    runs = curve(server, script, server.client_env(MODE="patched"))
     log = server.log()
     assert [forked for forked, _ in runs] == [False, True, True], log[-8000:]
     assert [out["hit"] for _, out in runs] == [False, True, True], log[-8000:]

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import REPO, age_files, build_shared_library, child_env, run_python
-from .conftest import ServerProcess, last_json
-from .test_run import _curve
+from .conftest import ServerProcess, curve, last_json
 
 pytest.importorskip("scipy")
 pytest.importorskip("pandas")
@@ -112,7 +111,7 @@ def test_a_script_importing_scipy_pandas_and_sklearn_runs_warm_from_run_2_with_p
                                      capture_output=True, text=True, timeout=120, check=True))
     server = ServerProcess(runtime_dir)
     try:
-        outputs = _curve(server, vae_script, {**server.client_env(), **env})
+        outputs = curve(server, vae_script, {**server.client_env(), **env})
         log = server.log()
         status = server.status()
     finally:
@@ -147,7 +146,7 @@ def test_a_module_that_starts_an_unknown_native_thread_is_kept_out_and_its_loads
     server = ServerProcess(runtime_dir)
     try:
         env = server.client_env()
-        outputs = _curve(server, script, env, runs=4)
+        outputs = curve(server, script, env, runs=4)
         log = server.log()
         status = server.status()
     finally:

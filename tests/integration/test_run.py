@@ -21,72 +21,20 @@ from pathlib import Path
 import pytest
 
 from ..conftest import child_env
-from .conftest import ServerProcess, last_json
-
-OVERMIND = str(Path(sys.executable).parent / "overmind")
-
-
-def started_warm_server(prefix: str):
-    """A real server whose warm interpreter is ready, for a module's fixture to ``yield from``."""
-    runtime = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    server = ServerProcess(runtime)
-    _run(server, "-c", "pass")  # refused: starts the warm interpreter
-    _wait_warm(server)
-    yield server
-    server.stop()
-    subprocess.run(["rm", "-rf", str(runtime)])
-
+from .conftest import (OVERMIND, ServerProcess, overmind_run, plain_python, runs_forked,
+                       started_warm_server, wait_warm)
 
 @pytest.fixture(scope="module")
 def warm_server():
     yield from started_warm_server("om-run-")
 
 
-def _env(server, **extra) -> dict:
-    return {**server.client_env(), **extra}
-
-
-def _run(server, *args, env=None, **kwargs) -> subprocess.CompletedProcess:
-    kwargs.setdefault("stdout", subprocess.PIPE)
-    kwargs.setdefault("stderr", subprocess.PIPE)
-    return subprocess.run([OVERMIND, "run", *args], env=env or _env(server), text=True, timeout=120, **kwargs)
-
-
-def _runs(server) -> int:
-    return server.status()["runs"]
-
-
-def _wait_warm(server, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(z["ready"] for z in server.status()["interpreters"]):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no warm interpreter after {timeout}s: {server.status()['interpreters']}")
-
-
-def _curve(server, script: Path, env: dict, runs: int = 3) -> list[tuple[bool, dict]]:
-    """Runs 1..``runs`` of ``overmind run script``, each after the last one's fill: (forked, output)."""
-    outputs = []
-    for _ in range(runs):
-        before = _runs(server)
-        proc = _run(server, str(script), env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outputs.append((_runs(server) > before, last_json(proc)))
-        server.wait_idle()
-        try:
-            _wait_warm(server)
-        except AssertionError as err:
-            raise AssertionError(f"{err}\n{server.log()[-20000:]}") from None
-    return outputs
-
-
 def _warm_run(server, *args, **kwargs) -> subprocess.CompletedProcess:
     """A run that must have been forked from the warm interpreter (not the plain fallback)."""
-    _wait_warm(server)
-    before = _runs(server)
-    proc = _run(server, *args, **kwargs)
-    assert _runs(server) == before + 1, f"the run went plain: {proc.stderr[-2000:]}\n{server.log()[-3000:]}"
+    wait_warm(server)
+    before = runs_forked(server)
+    proc = overmind_run(server, *args, **kwargs)
+    assert runs_forked(server) == before + 1, f"the run went plain: {proc.stderr[-2000:]}\n{server.log()[-3000:]}"
     return proc
 
 
@@ -100,11 +48,6 @@ sys.exit(7)
 """
 
 
-def _plain(*args, env, cwd, umask=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=120, cwd=cwd,
-                          preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
-
-
 @pytest.mark.parametrize("mode", ["script", "module", "code"])
 def test_argv_path_main_cwd_environment_umask_and_exit_status_are_plain_pythons(warm_server, tmp_path, mode):
     work = tmp_path / "work"
@@ -113,13 +56,13 @@ def test_argv_path_main_cwd_environment_umask_and_exit_status_are_plain_pythons(
     (tmp_path / "report_script.py").write_text(REPORT)
     args = {"script": [str(tmp_path / "report_script.py")], "module": ["-m", "report_mod"],
             "code": ["-c", REPORT]}[mode] + ["a", "b c"]
-    env = _env(warm_server, OVERMIND_TEST_VAR="only-in-this-run")
+    env = warm_server.client_env(OVERMIND_TEST_VAR="only-in-this-run")
     if mode == "module":  # a PYTHONPATH selects another interpreter: warm one up for it
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH", "")) if p)
-        _run(warm_server, "-c", "pass", env=env, cwd=work)
+        overmind_run(warm_server, "-c", "pass", env=env, cwd=work)
         _wait_until_forked(warm_server, env, work)
     warm = _warm_run(warm_server, *args, env=env, cwd=work, preexec_fn=lambda: os.umask(0o027))
-    plain = _plain(*args, env=env, cwd=work, umask=0o027)
+    plain = plain_python(*args, env=env, cwd=work, umask=0o027)
     assert warm.returncode == plain.returncode == 7, warm.stderr
     assert json.loads(warm.stdout) == json.loads(plain.stdout)
     assert warm.stderr == plain.stderr == ""
@@ -128,9 +71,9 @@ def test_argv_path_main_cwd_environment_umask_and_exit_status_are_plain_pythons(
 def _wait_until_forked(server, env, cwd, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        before = _runs(server)
-        _run(server, "-c", "pass", env=env, cwd=cwd)
-        if _runs(server) > before:
+        before = runs_forked(server)
+        overmind_run(server, "-c", "pass", env=env, cwd=cwd)
+        if runs_forked(server) > before:
             return
         time.sleep(0.3)
     raise AssertionError("the new context never got a warm interpreter")
@@ -140,7 +83,7 @@ def test_an_uncaught_exception_prints_its_traceback_on_the_callers_stderr_and_ex
     script = tmp_path / "boom.py"
     script.write_text("print('before', flush=True)\nraise ValueError('boom')\n")
     warm = _warm_run(warm_server, str(script))
-    plain = _plain(str(script), env=_env(warm_server), cwd=tmp_path)
+    plain = plain_python(str(script), env=warm_server.client_env(), cwd=tmp_path)
     assert warm.returncode == plain.returncode == 1
     assert warm.stdout == "before\n" and warm.stderr == plain.stderr
     assert "ValueError: boom" in warm.stderr and 'File "' + str(script) in warm.stderr
@@ -150,7 +93,7 @@ def test_death_by_a_signal_is_reported_as_a_shell_would(warm_server, tmp_path):
     script = tmp_path / "die.py"
     script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
     assert _warm_run(warm_server, str(script)).returncode == -signal.SIGTERM
-    shell = subprocess.run(["sh", "-c", f"{OVERMIND} run {script}; echo status=$?"], env=_env(warm_server),
+    shell = subprocess.run(["sh", "-c", f"{OVERMIND} run {script}; echo status=$?"], env=warm_server.client_env(),
                            capture_output=True, text=True, timeout=60)
     assert shell.stdout.strip() == f"status={128 + signal.SIGTERM}"
 
@@ -223,8 +166,8 @@ def test_in_a_terminal_isatty_is_true_and_ctrl_c_raises_keyboard_interrupt(warm_
                       "    " + WAIT_FOR_A_SIGNAL.replace("\n", "\n    ") + "\nexcept KeyboardInterrupt:\n"
                       "    print('caught', flush=True)\n"
                       "    sys.exit(4)\n")
-    before = _runs(warm_server)
-    proc, master = _spawn_in_pty([OVERMIND, "run", str(script)], _env(warm_server))
+    before = runs_forked(warm_server)
+    proc, master = _spawn_in_pty([OVERMIND, "run", str(script)], warm_server.client_env())
     try:
         out = _read_until(master, b"tty True True True")
         os.write(master, b"\x03")  # Ctrl-C: the terminal signals its foreground group, the front end
@@ -233,7 +176,7 @@ def test_in_a_terminal_isatty_is_true_and_ctrl_c_raises_keyboard_interrupt(warm_
     finally:
         proc.kill()
         os.close(master)
-    assert _runs(warm_server) == before + 1
+    assert runs_forked(warm_server) == before + 1
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -243,8 +186,8 @@ def test_sigterm_and_sighup_reach_the_script(warm_server, tmp_path, sig):
                       "signal.signal(signal.SIGTERM, lambda *a: sys.exit(10))\n"
                       "signal.signal(signal.SIGHUP, lambda *a: sys.exit(11))\n"
                       "print('ready', flush=True)\n" + WAIT_FOR_A_SIGNAL + "\n")
-    before = _runs(warm_server)
-    proc = subprocess.Popen([OVERMIND, "run", str(script)], env=_env(warm_server), stdout=subprocess.PIPE, text=True)
+    before = runs_forked(warm_server)
+    proc = subprocess.Popen([OVERMIND, "run", str(script)], env=warm_server.client_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "ready\n"
         proc.send_signal(sig)
@@ -252,14 +195,14 @@ def test_sigterm_and_sighup_reach_the_script(warm_server, tmp_path, sig):
     finally:
         proc.kill()
         proc.stdout.close()
-    assert _runs(warm_server) == before + 1
+    assert runs_forked(warm_server) == before + 1
 
 
 def test_when_the_front_end_dies_the_script_is_killed(warm_server, tmp_path):
     script = tmp_path / "sleeper.py"
     pid_file = tmp_path / "pid"
     script.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
-    proc = subprocess.Popen([OVERMIND, "run", str(script)], env=_env(warm_server))
+    proc = subprocess.Popen([OVERMIND, "run", str(script)], env=warm_server.client_env())
     deadline = time.monotonic() + 60
     while not (pid_file.exists() and pid_file.read_text()):
         assert time.monotonic() < deadline, "the script never started"
@@ -315,7 +258,7 @@ def test_overminds_logging_in_a_run_is_plain_pythons_and_the_interpreters_reache
     script = tmp_path / "logs.py"
     script.write_text("import json, logging, overmind\nours = logging.getLogger('overmind')\n"
                       "print(json.dumps([len(ours.handlers), ours.level, ours.propagate]))\n")
-    plain = _plain(str(script), env=_env(warm_server), cwd=tmp_path).stdout
+    plain = plain_python(str(script), env=warm_server.client_env(), cwd=tmp_path).stdout
     assert _warm_run(warm_server, str(script)).stdout == plain == "[0, 0, true]\n"
     # The warm interpreter's own records go to the server's log, in the server's format.
     deadline = time.monotonic() + 30
@@ -346,7 +289,7 @@ def test_a_changed_installed_module_is_never_run_from_the_old_interpreter(warm_s
         assert time.monotonic() < deadline
         time.sleep(0.2)
     path.write_text("VERSION = 22\n")  # a `pip install -U`
-    after = _run(warm_server, str(script))
+    after = overmind_run(warm_server, str(script))
     assert after.stdout.endswith(" 22\n"), after.stdout  # plain this once, or a fresh interpreter
     assert "changed since it was imported" in warm_server.log()
 
@@ -355,11 +298,11 @@ def test_retiring_the_interpreter_never_kills_a_run_in_progress(tmp_path):
     runtime = Path(tempfile.mkdtemp(prefix="om-ret-", dir="/tmp"))
     server = ServerProcess(runtime)
     try:
-        _run(server, "-c", "pass")
-        _wait_warm(server)
+        overmind_run(server, "-c", "pass")
+        wait_warm(server)
         script = tmp_path / "long.py"
         script.write_text("import time\nprint('start', flush=True)\ntime.sleep(3)\nprint('end')\n")
-        proc = subprocess.Popen([OVERMIND, "run", str(script)], env=_env(server), stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([OVERMIND, "run", str(script)], env=server.client_env(), stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline() == "start\n"
         server.cli("shutdown")  # retires every warm interpreter
         assert proc.stdout.read() == "end\n" and proc.wait(timeout=30) == 0
@@ -391,23 +334,23 @@ sys.exit(6)
 def test_overmind_warm_start_hands_the_script_to_a_warm_child(warm_server, tmp_path):
     script = tmp_path / "opt_in.py"
     script.write_text(WARM_START)
-    env = _env(warm_server, OVERMIND_WARM_START="1")
-    _wait_warm(warm_server)
-    before = _runs(warm_server)
+    env = warm_server.client_env(OVERMIND_WARM_START="1")
+    wait_warm(warm_server)
+    before = runs_forked(warm_server)
     proc = subprocess.run([sys.executable, str(script), "q"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 6 and proc.stdout.split(" ", 1)[1] == "['q']\n", proc.stderr
-    assert _runs(warm_server) == before + 1
+    assert runs_forked(warm_server) == before + 1
     assert int(proc.stdout.split()[0]) != os.getpid()  # its parent is the warm interpreter, not pytest
 
 
 def test_overmind_warm_start_refuses_when_code_ran_before_the_call(warm_server, tmp_path):
     script = tmp_path / "late.py"
     script.write_text("import os\n" + WARM_START)
-    env = _env(warm_server, OVERMIND_WARM_START="1")
-    before = _runs(warm_server)
+    env = warm_server.client_env(OVERMIND_WARM_START="1")
+    before = runs_forked(warm_server)
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 6 and int(proc.stdout.split()[0]) == os.getpid()  # ran here, a child of pytest
-    assert _runs(warm_server) == before
+    assert runs_forked(warm_server) == before
 
 
 def test_status_lists_the_warm_interpreters(warm_server):
@@ -431,10 +374,10 @@ def test_a_module_that_starts_a_thread_is_never_forked_past(warm_server, tmp_pat
         outputs = []
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
-            _wait_warm(warm_server)
-            before = _runs(warm_server)
-            proc = _run(warm_server, str(script))
-            forked = _runs(warm_server) > before
+            wait_warm(warm_server)
+            before = runs_forked(warm_server)
+            proc = overmind_run(warm_server, str(script))
+            forked = runs_forked(warm_server) > before
             outputs.append((forked, proc.stdout))
             assert proc.returncode == 0 and proc.stdout in ("False\n",), outputs  # never forked with it held
             if len(outputs) >= 4 and all(f for f, _ in outputs[-2:]):

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ServerProcess
-from .test_run import _env, _plain, _run, _runs, _wait_warm, started_warm_server
+from .conftest import ServerProcess, overmind_run, plain_python, runs_forked, started_warm_server, wait_warm
 
 INDUCTOR = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1",
             "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "TORCHDYNAMO_VERBOSE": "1"}
@@ -44,11 +43,11 @@ def _until_warm_and_held(server, args, env, cwd, check, timeout: float = 150) ->
     seen = []
     deadline = time.monotonic() + timeout
     while True:
-        _wait_warm(server)
-        before = _runs(server)
-        proc = _run(server, *args, env=env, cwd=cwd)
+        wait_warm(server)
+        before = runs_forked(server)
+        proc = overmind_run(server, *args, env=env, cwd=cwd)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        forked = _runs(server) > before
+        forked = runs_forked(server) > before
         seen.append((forked, proc.stdout))
         check(proc.stdout)
         if forked and proc.stdout.startswith(("{\"held\": true", "True ")):
@@ -61,10 +60,10 @@ def test_inductor_and_dynamo_settings_are_plain_pythons_after_an_interpreter_lea
                                                                                                     tmp_path):
     script = tmp_path / "settings.py"
     script.write_text(SETTINGS)
-    env_without = _env(env_server)
-    env_with = _env(env_server, **INDUCTOR)
-    plain_without = json.loads(_plain(str(script), env=env_without, cwd=tmp_path).stdout)["settings"]
-    plain_with = json.loads(_plain(str(script), env=env_with, cwd=tmp_path).stdout)["settings"]
+    env_without = env_server.client_env()
+    env_with = env_server.client_env(**INDUCTOR)
+    plain_without = json.loads(plain_python(str(script), env=env_without, cwd=tmp_path).stdout)["settings"]
+    plain_with = json.loads(plain_python(str(script), env=env_with, cwd=tmp_path).stdout)["settings"]
     assert plain_with != plain_without  # the settings do change what plain python sees
 
     def sees(expected):
@@ -113,10 +112,10 @@ def test_an_installed_librarys_own_setting_read_at_import_is_the_runs_own(env_se
         return lambda out: (out.split(" ", 1)[1] == f"{flavour} {extras}\n"
                             or pytest.fail(f"saw {out.strip()!r}, plain python sees {flavour} {extras}"))
 
-    _until_warm_and_held(env_server, [str(script)], _env(env_server), tmp_path, sees("plain", []))
-    spicy = _env(env_server, **{f"{upper}_FLAVOUR": "spicy"})
+    _until_warm_and_held(env_server, [str(script)], env_server.client_env(), tmp_path, sees("plain", []))
+    spicy = env_server.client_env(**{f"{upper}_FLAVOUR": "spicy"})
     _until_warm_and_held(env_server, [str(script)], spicy, tmp_path, sees("spicy", []))
-    extra = _env(env_server, **{f"{upper}_EXTRA_A": "1"})  # no name read: a prefix iterated
+    extra = env_server.client_env(**{f"{upper}_EXTRA_A": "1"})  # no name read: a prefix iterated
     _until_warm_and_held(env_server, [str(script)], extra, tmp_path, sees("plain", [f"{upper}_EXTRA_A"]))
 
 
@@ -131,10 +130,10 @@ def test_the_first_run_of_a_context_starts_an_interpreter_under_its_settings_so_
     runtime = Path(tempfile.mkdtemp(prefix="om-env-first-", dir="/tmp"))
     server = ServerProcess(runtime)
     try:
-        spicy = _env(server, **{f"{_prefix()}_FLAVOUR": "spicy"})
-        first = _run(server, str(script), env=spicy, cwd=tmp_path)  # no interpreter yet: plain, and one starts
+        spicy = server.client_env(**{f"{_prefix()}_FLAVOUR": "spicy"})
+        first = overmind_run(server, str(script), env=spicy, cwd=tmp_path)  # no interpreter yet: plain, and one starts
         assert first.returncode == 0 and first.stdout == "False spicy []\n", first.stderr[-3000:]
-        assert _runs(server) == 0
+        assert runs_forked(server) == 0
         runs = _until_warm_and_held(server, [str(script)], spicy, tmp_path,
                                     lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
         assert all(forked for forked, _ in runs), f"a run went plain on the way: {runs}\n{server.log()[-3000:]}"
@@ -197,7 +196,7 @@ def test_a_setting_of_the_users_shell_reaches_the_interpreter_of_a_server_its_fi
     env = child_env(OVERMIND_RUNTIME_DIR=str(runtime), **{f"{_prefix()}_FLAVOUR": "spicy"})
     server = _Autostarted(env)
     try:
-        first = _run(server, str(script), env=env, cwd=tmp_path)  # no server: starts one, runs plainly
+        first = overmind_run(server, str(script), env=env, cwd=tmp_path)  # no server: starts one, runs plainly
         assert first.returncode == 0 and first.stdout == "False spicy []\n", first.stderr[-3000:]
         server.wait_listening()
         runs = _until_warm_and_held(server, [str(script)], env, tmp_path,
@@ -222,13 +221,13 @@ def test_the_server_a_first_run_autostarts_starts_that_runs_interpreter_at_once_
     env = child_env(OVERMIND_RUNTIME_DIR=str(runtime))
     server = _Autostarted(env)
     try:
-        first = _run(server, str(script), env=env, cwd=tmp_path)  # no server: starts one, runs plainly
+        first = overmind_run(server, str(script), env=env, cwd=tmp_path)  # no server: starts one, runs plainly
         assert first.returncode == 0 and first.stdout == "None\n", first.stderr[-3000:]
         server.wait_listening()
-        _wait_warm(server)
-        second = _run(server, str(script), env=env, cwd=tmp_path)
+        wait_warm(server)
+        second = overmind_run(server, str(script), env=env, cwd=tmp_path)
         assert second.returncode == 0 and second.stdout == "None\n", second.stderr[-3000:]
-        assert _runs(server) == 1, server.log()[-3000:]  # forked
+        assert runs_forked(server) == 1, server.log()[-3000:]  # forked
         lines = server.log().splitlines()
         started = [line for line in lines if "started warm interpreter" in line]
         assert len(started) == 1 and "0 modules to import" in started[0], "\n".join(lines[-40:])
@@ -246,7 +245,7 @@ def test_a_server_stopped_while_the_interpreter_it_started_imports_logs_no_warni
     env = child_env(OVERMIND_RUNTIME_DIR=str(runtime))
     server = _Autostarted(env)
     try:
-        first = _run(server, "-c", "pass", env=env, cwd=tmp_path)  # no server: starts one
+        first = overmind_run(server, "-c", "pass", env=env, cwd=tmp_path)  # no server: starts one
         assert first.returncode == 0, first.stderr[-3000:]
         server.wait_listening()
         server.shutdown(check=True)
@@ -284,9 +283,9 @@ def test_a_learned_module_whose_import_failed_fails_later_imports_as_plain_pytho
     runtime = Path(tempfile.mkdtemp(prefix="om-env-failed-", dir="/tmp"))
     server = ServerProcess(runtime)
     try:
-        _run(server, "-c", "pass")  # refused: starts the warm interpreter
-        _wait_warm(server)
-        env = _env(server)
+        overmind_run(server, "-c", "pass")  # refused: starts the warm interpreter
+        wait_warm(server)
+        env = server.client_env()
         context = {"python": os.path.abspath(sys.executable), "env": selecting_environment(env),
                    "cwd": str(tmp_path), "sys_path": list(sys.path)}
         with Connection.open(Config.from_env(env), autostart=False) as conn:  # what such a report says
@@ -295,10 +294,10 @@ def test_a_learned_module_whose_import_failed_fails_later_imports_as_plain_pytho
         deadline = time.monotonic() + 120
         while not seen or seen[-1] != (True, "True False\n"):
             assert time.monotonic() < deadline, f"never forked with {guarded} held: {seen}\n{server.log()[-3000:]}"
-            before = _runs(server)
-            proc = _run(server, str(script), env=env, cwd=tmp_path)
+            before = runs_forked(server)
+            proc = overmind_run(server, str(script), env=env, cwd=tmp_path)
             assert proc.returncode == 0 and proc.stdout.endswith(" False\n"), (proc.stderr[-3000:], seen)
-            seen.append((_runs(server) > before, proc.stdout))
+            seen.append((runs_forked(server) > before, proc.stdout))
             time.sleep(0.3)
     finally:
         server.stop()
@@ -324,12 +323,12 @@ def test_a_load_forked_from_an_interpreter_a_run_started_sees_its_contexts_envir
     runtime = Path(tempfile.mkdtemp(prefix="om-env-load-", dir="/tmp"))
     server = ServerProcess(runtime)
     try:
-        first = _run(server, "-c", "pass", env=_env(server, **{name: "the first shell's"}), cwd=tmp_path)
-        assert first.returncode == 0 and _runs(server) == 0, first.stderr[-3000:]  # plain; an interpreter starts
-        _wait_warm(server)
+        first = overmind_run(server, "-c", "pass", env=server.client_env(**{name: "the first shell's"}), cwd=tmp_path)
+        assert first.returncode == 0 and runs_forked(server) == 0, first.stderr[-3000:]  # plain; an interpreter starts
+        wait_warm(server)
         client = ("import json, overmind.api, readenv\n"
                   f"print(json.dumps(overmind.api.load(readenv.read, {name!r})))\n")
-        proc = subprocess.run([sys.executable, "-c", client], env=_env(server, OVERMIND_COLD="wait", OVERMIND_STRICT="1"),
+        proc = subprocess.run([sys.executable, "-c", client], env=server.client_env(OVERMIND_COLD="wait", OVERMIND_STRICT="1"),
                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert json.loads(proc.stdout) == {"value": None}, server.log()[-3000:]  # the loader's answer, waited for
@@ -355,21 +354,21 @@ def test_a_lineage_keeps_one_interpreter_for_runs_and_loads_and_one_started_for_
     def load(name: str, **extra) -> None:
         client = f"import json, overmind.api, readenv\nprint(json.dumps(overmind.api.load(readenv.read, {name!r})))\n"
         proc = subprocess.run([sys.executable, "-c", client], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=120, env=_env(server, OVERMIND_COLD="wait", OVERMIND_STRICT="1", **extra))
+                              timeout=120, env=server.client_env(OVERMIND_COLD="wait", OVERMIND_STRICT="1", **extra))
         assert proc.returncode == 0 and json.loads(proc.stdout) == {"value": None}, proc.stderr[-3000:]
 
     def started() -> int:
         return server.log().count("started warm interpreter")
 
     try:
-        spicy = _env(server, **{f"{_prefix()}_FLAVOUR": "spicy"})
-        first = _run(server, str(script), env=spicy, cwd=tmp_path)  # plain; an interpreter starts under it
+        spicy = server.client_env(**{f"{_prefix()}_FLAVOUR": "spicy"})
+        first = overmind_run(server, str(script), env=spicy, cwd=tmp_path)  # plain; an interpreter starts under it
         assert first.returncode == 0 and first.stdout == "False spicy []\n", first.stderr[-3000:]
         _until_warm_and_held(server, [str(script)], spicy, tmp_path,
                              lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
-        before = _runs(server)
-        again = _run(server, str(script), env=spicy, cwd=tmp_path)  # forked from it, now filed under its value
-        assert again.stdout == "True spicy []\n" and _runs(server) == before + 1, server.log()[-3000:]
+        before = runs_forked(server)
+        again = overmind_run(server, str(script), env=spicy, cwd=tmp_path)  # forked from it, now filed under its value
+        assert again.stdout == "True spicy []\n" and runs_forked(server) == before + 1, server.log()[-3000:]
         assert started() == 1, server.log()[-3000:]
         load("A")
         assert started() == 1, server.log()[-3000:]  # the load forked from the runs' interpreter
@@ -377,11 +376,11 @@ def test_a_lineage_keeps_one_interpreter_for_runs_and_loads_and_one_started_for_
         assert started() == 2 and "retiring warm interpreter" in server.log(), server.log()[-3000:]
         load("C")  # the lineage has none now: this load starts one
         assert started() == 3, server.log()[-3000:]
-        _wait_warm(server)
-        before = _runs(server)
-        proc = _run(server, str(script), env=spicy, cwd=tmp_path)
+        wait_warm(server)
+        before = runs_forked(server)
+        proc = overmind_run(server, str(script), env=spicy, cwd=tmp_path)
         assert proc.returncode == 0 and proc.stdout == "True spicy []\n", proc.stderr[-3000:]
-        assert _runs(server) == before + 1, f"the run went plain\n{server.log()[-3000:]}"
+        assert runs_forked(server) == before + 1, f"the run went plain\n{server.log()[-3000:]}"
     finally:
         server.stop()
         shutil.rmtree(runtime, ignore_errors=True)

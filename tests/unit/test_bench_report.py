@@ -196,7 +196,7 @@ def test_whole_process_document_orders_rows_divides_by_plain_and_validates():
 def test_the_warm_up_curve_is_in_every_run_by_default_and_its_options_pick_scripts_modes_and_rounds():
     quick, full = plan_of("--quick"), plan_of()
     assert (quick.curve_scripts, full.curve_scripts) == (("controlnet",), ("controlnet", "lm"))
-    assert (quick.curve_rounds, full.curve_rounds, full.curve_modes) == (1, 2, ("patched", "run"))
+    assert (quick.curve_rounds, full.curve_rounds, full.curve_modes) == (1, 2, ("patched", "dropin", "run"))
     assert full.curve_page_cache == ("warm",) and full.curve_drop is None
     picked = plan_of("--scenarios", "warmup_curve", "--curve-scripts", "lm", "--curve-modes", "run",
                      "--curve-rounds", "3", "--drop-page-cache")

@@ -81,10 +81,10 @@ CURVE_SCRIPTS = ("controlnet", "lm")  # whole-process scripts that load a model
 # --quick (make demo) stays within 3 minutes here: the curve of the ControlNet script only.
 QUICK = {"scale": "small", "runs": 1, "warm_runs": 1, "memory_procs": 2, "startup_repeats": 5,
          "process_per": "run", "memory_cases": "controlnet", "whole_runs": 1, "curve_rounds": 1,
-         "curve_scripts": "controlnet"}
+         "curve_scripts": "controlnet", "curve_modes": "patched,run"}
 FULL = {"scale": "base", "runs": 3, "warm_runs": 3, "memory_procs": 4, "startup_repeats": 20,
         "process_per": "scenario", "memory_cases": "controlnet,fp32_as_fp16", "whole_runs": 5, "curve_rounds": 2,
-        "curve_scripts": ",".join(CURVE_SCRIPTS)}
+        "curve_scripts": ",".join(CURVE_SCRIPTS), "curve_modes": ",".join(CURVE_MODES)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the warm-up curve's scripts, from {', '.join(CURVE_SCRIPTS)} "
                              "(default both; --quick: controlnet)")
     parser.add_argument("--curve-modes", metavar="LIST",
-                        help=f"its modes, from {', '.join(CURVE_MODES)} (default both; plain always runs)")
+                        help=f"its modes, from {', '.join(CURVE_MODES)} (default all, --quick: patched,run; plain always runs)")
     parser.add_argument("--curve-rounds", type=int, metavar="N",
                         help="its rounds: each a fresh server per mode and runs 1-5 (default 2; --quick: 1)")
     parser.add_argument("--drop-page-cache", action="store_true",
@@ -254,7 +254,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         raise ValueError("--whole-modes must include plain: every ratio is against it")
     curve_scripts = tuple(_names(args.curve_scripts or defaults["curve_scripts"], CURVE_SCRIPTS,
                                  "--curve-scripts")) if "warmup_curve" in chosen else ()
-    curve_modes = tuple(_names(args.curve_modes or ",".join(CURVE_MODES), CURVE_MODES, "--curve-modes"))
+    curve_modes = tuple(_names(args.curve_modes or defaults["curve_modes"], CURVE_MODES, "--curve-modes"))
     if not curve_modes:
         raise ValueError("--curve-modes needs at least one of " + ", ".join(CURVE_MODES))
     if args.drop_caches and os.geteuid() != 0:

@@ -12,7 +12,11 @@ directory, and the run starts once ``overmind status --wait-ready`` returns (Not
 a restart] in overmind.server.restore; ``python -m overmind.bench.restart`` times the restore). Plain ``python script.py`` runs in the same round, right before
 each mode's runs; each run's exit over the median of plain's runs is the figure. Modes:
 
-- ``patched``: ``python script.py``, the script calling ``monkey_patch_all()`` first;
+- ``patched``: ``python script.py``, the script's first two lines being README's one line
+  (``import overmind.api``, ``overmind.api.monkey_patch_all()``), no overmind variable set:
+  the run is handed to a warm interpreter where that is safe (Note [When a warm start applies]
+  in overmind.client.warm_start);
+- ``dropin``: the same with ``OVERMIND_WARM_START=0``: only the loads are warm;
 - ``run``: ``overmind run script.py``.
 
 Unlike the whole-process scenario, nothing waits for the server to go quiet between runs:
@@ -45,7 +49,8 @@ from overmind.bench.whole import (FALLBACK_MARK, RUN_TIMEOUT, SCRIPTS, Script, f
 
 __all__ = ["MODES", "RUNS", "WarmupCurve", "summarize"]
 
-MODES = ("patched", "run")
+MODES = ("patched", "dropin", "run")
+ONE_LINE = "import overmind.api\novermind.api.monkey_patch_all()\n"  # README's, at the top of the script
 RUNS = ("1", "2", "3", "4", "5", "restart")
 
 
@@ -71,8 +76,10 @@ class WarmupCurve:
              server: Optional[BenchServer]) -> dict:
         """One fresh process from here, timed from just before its start to its exit."""
         self._drop(script, cache_state)
-        argv = [*(self.front if mode == "run" else [sys.executable]), f"{script.name}.py"]
-        env = base_env() if server is None else server.client_env({"OVERMIND": "1"})
+        argv = [*(self.front if mode == "run" else [sys.executable]),
+                f"{script.name}{'_one_line' if mode in ('patched', 'dropin') else ''}.py"]
+        env = base_env() if server is None else server.client_env(
+            {"OVERMIND": "1", **({"OVERMIND_WARM_START": "0"} if mode == "dropin" else {})})
         before = server.status() if server else {}
         start = time.monotonic()
         proc = subprocess.run(argv, cwd=self.dir, env=env, stdin=subprocess.DEVNULL, capture_output=True,
@@ -111,9 +118,10 @@ class WarmupCurve:
     def run(self) -> dict:
         scripts = [SCRIPTS[n] for n in self.plan.curve_scripts]
         for script in scripts:
-            (self.dir / f"{script.name}.py").write_text(
-                script_source(script.name, {n: self.paths[n] for n in script.models}, self.plan.device,
-                              self.plan.script_imports))
+            source = script_source(script.name, {n: self.paths[n] for n in script.models}, self.plan.device,
+                                   self.plan.script_imports)
+            (self.dir / f"{script.name}.py").write_text(source)
+            (self.dir / f"{script.name}_one_line.py").write_text(ONE_LINE + source)
         settings = self.switch.values if self.switch else [shmem.current()]
         for setting in settings:
             if self.switch:

@@ -62,7 +62,7 @@ Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` o
               "status": "ok"|"skipped"|"failed", "reason": str|null,
               "plain": summary|null,           # python's exit, this page cache state: plain_runs
                                                # runs before each mode's, every round
-              "modes": [{"mode": "patched"|"run",
+              "modes": [{"mode": "patched"|"dropin"|"run",
                          "runs": [{"run": "1"|...|"5"|"restart",
                                    "runs": [{"wall": float, "ready": float|null, "used": float|null,
                                              "sum": int|null, "hits": int, "misses": int,
@@ -102,7 +102,7 @@ SCHEMA_VERSION = 1
 PHASES_AFTER = ("to_device", "total", "first_use")  # after a scenario's own components
 MODE_LABELS = {"plain": "plain", "first": "overmind first", "cold": "overmind cold", "warm": "overmind warm"}
 WHOLE_LABELS = {"plain": "python", "patched": "python + monkey_patch_all()", "run": "overmind run",
-                "first_run": "overmind run, new context"}
+                "first_run": "overmind run, new context", "dropin": "the same, OVERMIND_WARM_START=0"}
 
 
 def _summary(values: list[float]) -> dict:
@@ -274,11 +274,11 @@ def validate(doc: dict) -> None:
                                               "wall": _SUMMARY},
                                   "x_plain": {k: optional(_NUM) for k in times}}]}]})
     curve = optional({
-        "rounds": int, "plain_runs": int, "modes": [one_of("patched", "run")], "drop": optional(str),
+        "rounds": int, "plain_runs": int, "modes": [one_of("patched", "dropin", "run")], "drop": optional(str),
         "scripts": [{"name": str, "title": str, "command": str, "page_cache": one_of("warm", "cold"),
                      "shmem_enabled": optional(str), "status": one_of("ok", "skipped", "failed"),
                      "reason": optional(str), "plain": optional(_SUMMARY),
-                     "modes": [{"mode": one_of("patched", "run"),
+                     "modes": [{"mode": one_of("patched", "dropin", "run"),
                                 "runs": [{"run": one_of("1", "2", "3", "4", "5", "restart"),
                                           "runs": [{"wall": _NUM, "ready": optional(_NUM), "used": optional(_NUM),
                                                     "sum": optional(int), "hits": int, "misses": int,

@@ -28,7 +28,7 @@ Then the run's child takes on the caller's cgroups, limits and scheduling, and c
 trait (Note [A hand-over is the same process or none] in overmind.warm.match). Where anything
 fails the script goes on in this process exactly as with ``OVERMIND_WARM_START=0``: the loads are
 still warm, nothing is printed, and the server's log says why once per context
-(``Prepare.plain``). Refused because no interpreter is warm yet, the run teaches the one that
+(``Prepare.plain``, sent before the script goes on). Refused because no interpreter is warm yet, the run teaches the one that
 starts (Note [The first run teaches] in overmind.client.teach), so run 2 is warm. When it applies,
 this process becomes the front end: it forwards signals and exits with the child's status, and
 the child runs the whole script, ``monkey_patch_all()`` included, from its first line.
@@ -42,10 +42,10 @@ import sys
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["hand_off_script", "why_not", "declined"]
+__all__ = ["hand_off_script", "why_not"]
 
 _OVERMIND_IMPORTS = ("overmind", "overmind.api")
-declined = ""  # why this process runs its script itself, for the server's log (overmind.api._prepare)
+IN_WARM = "already in a warm interpreter or a loader"
 
 
 def _command() -> tuple[str, str, list[str], tuple[str, ...]] | None:
@@ -146,7 +146,7 @@ def _raw_terminal() -> bool:
 def why_not(frame) -> str:
     """Why this process cannot hand its run off (Note [When a warm start applies]); "" if it can."""
     if "overmind.warm.interpreter" in sys.modules:
-        return "already in a warm interpreter or a loader"
+        return IN_WARM
     if sys.flags.interactive or hasattr(sys, "ps1") or "ipykernel" in sys.modules or "IPython" in sys.modules:
         return "an interactive session"
     main = sys.modules.get("__main__")
@@ -170,12 +170,29 @@ def why_not(frame) -> str:
     return ""
 
 
+def _say_why(reason: str) -> None:
+    """Tell the server why this script runs here, for its log (once per context): one Prepare,
+    not waiting for its answer. No server: nothing to tell (monkey_patch_all() starts one)."""
+    try:
+        from overmind.shared import protocol as P
+        from overmind.shared.config import Config
+        from overmind.shared.connect import handshake
+        from overmind.shared.contexts import caller_context
+
+        sock, _, _ = handshake(Config.from_env(), "run")
+        with sock:
+            P.send_message(sock, P.Prepare(caller_context(), plain=reason))
+    except Exception as err:  # noqa: BLE001 - a bonus for the log; the script goes on regardless
+        logger.debug("warm start: could not tell the server why: %s", err)
+
+
 def hand_off_script(frame) -> None:
     """Hand this run to a warm child and never return, or return to run the script here."""
-    global declined
-    declined = why_not(frame)
-    if declined:
-        logger.debug("warm start: running here: %s", declined)
+    reason = why_not(frame)
+    if reason:
+        logger.debug("warm start: running here: %s", reason)
+        if reason != IN_WARM:
+            _say_why(reason)
         return
     from overmind.shared import handoff
     from overmind.shared.contexts import RunSpec

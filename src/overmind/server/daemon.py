@@ -404,7 +404,7 @@ class Server:
                 **self.loads.counters(), "refused_connections": self.refused,  # Note [Joining a fill] in overmind.server.fills
                 "busy_refusals": self.busy_refusals, "connections": self.connections, "peers": dict(self.peers),
                 "socket": str(self.config.socket_path), "socket_rebinds": self.socket_rebinds, "runs": self.runs,
-                "torch_imported": "torch" in sys.modules}
+                "runs_plain": self.pool.runs_plain, "torch_imported": "torch" in sys.modules}
         info["bytes"] = info["used"] = self.registry.used()
         info["interpreters"] = self.pool.describe()
         info["warm_retired"] = self.pool.retired

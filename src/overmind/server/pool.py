@@ -83,6 +83,7 @@ class WarmPool:
         self.interpreters: "OrderedDict[str, WarmProcess]" = OrderedDict()
         self.lessons = Lessons()  # what each lineage learned (overmind.server.lessons)
         self._said_plain: set[tuple[str, str]] = set()
+        self.runs_plain = 0  # runs refused, and scripts whose one line declined: each in its own process
         self.retired = 0
         self.closed = False  # the server is stopping: close() was called
         self._cannot_fork: dict[str, int] = {}  # lineage -> interpreters retired as unable to fork
@@ -271,6 +272,7 @@ class WarmPool:
         """A run that runs in its own process: the log says why, once per context and reason."""
         said = (context.lineage if context is not None else "", reason)
         with self.lock:
+            self.runs_plain += 1
             first = said not in self._said_plain
             if first and len(self._said_plain) < MAX_SAID_PLAIN:
                 self._said_plain.add(said)

@@ -24,6 +24,8 @@ import sys
 from typing import Callable
 
 from overmind.shared import protocol as P
+from overmind.warm import pytest_runs
+from overmind.warm.oom import CannotMatch
 
 __all__ = ["Children"]
 
@@ -148,6 +150,11 @@ class Children:
                 return -1
         except BlockingIOError:
             pass
+        why = pytest_runs.refuses(fork.spec)
+        if why:
+            P.close_fds([stdin, stdout, stderr])
+            conn.close()
+            raise CannotMatch(why)
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         matched_r, matched_w = os.pipe2(os.O_CLOEXEC)
         gc.freeze()  # Note [Frozen before forking] in overmind.warm.interpreter
@@ -173,8 +180,6 @@ class Children:
             P.close_fds([stdin, stdout, stderr])
             conn.close()
             os.waitpid(pid, 0)
-            from overmind.warm.match import CannotMatch
-
             raise CannotMatch(why)
         P.close_fds([stdin, stdout, stderr, report_w])
         os.set_blocking(report_r, False)
@@ -198,7 +203,7 @@ def _take_on_caller(spec: dict, matched_w: int) -> None:
     """In the run's child: become the caller's process (overmind.warm.match), closing ``matched_w``
     empty; or write why not to it and leave before anything of the run starts."""
     from overmind.shared.traits import Traits
-    from overmind.warm.match import CannotMatch, take_on
+    from overmind.warm.match import take_on
 
     traits = spec.get("traits") if isinstance(spec, dict) else None
     try:

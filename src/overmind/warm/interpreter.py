@@ -87,7 +87,7 @@ from overmind.shared.compiled import USED as INDUCTOR_USED
 from overmind.warm.children import Children
 from overmind.warm.compiled import PRIMING, Priming, compile_stack_held, forget_isa_list
 from overmind.warm.fork_safety import ThreadCensus, Refused, cuda_note
-from overmind.warm import oom
+from overmind.warm import oom, pytest_runs
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +345,8 @@ class WarmInterpreter:
 
     def _to_learn(self, names) -> None:
         self.compiles = self.compiles or INDUCTOR_USED in names  # the mark goes on as a name: overmind.shared.compiled
-        new = [n for n in names if isinstance(n, str) and not self.held.settled(n) and n not in self.to_learn]
+        new = [n for n in pytest_runs.learnable(names)  # Note [pytest rewrites what it imports]
+               if isinstance(n, str) and not self.held.settled(n) and n not in self.to_learn]
         if not self.unforkable:  # Note [A tainted interpreter says so at once]: its successor learns them
             self.to_learn.extend(new)
         self.held.learned.extend(n for n in new if n not in self.held.learned)
