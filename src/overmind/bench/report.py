@@ -445,7 +445,8 @@ def format_whole(whole: dict) -> str:
     out = [f"whole process: a script started from the shell as a fresh process; seconds from its start to "
            f"its model ready (loaded, .to('cpu')), to every page of every weight read (used) and to its exit; "
            f"median of {whole['runs']} runs, min-max of exit in brackets; x plain: median over python's",
-           "modes: python SCRIPT | python SCRIPT calling monkey_patch_all() first, cache warm | overmind run "
+           "modes: python SCRIPT | python SCRIPT calling monkey_patch_all() after its own import (the drop-in, "
+           "never handed over), cache warm | overmind run "
            "SCRIPT, cache and interpreter warm | overmind run SCRIPT in a new context (no warm interpreter: runs "
            f"plainly while the server starts one; a fresh {whole['context_var']} each run)"]
     for sc in whole["scripts"]:

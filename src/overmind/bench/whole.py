@@ -11,8 +11,11 @@ process started from this one, in four modes (:data:`MODES`; the first run of a 
 with the page cache warm only):
 
 - ``plain``: ``python script.py``, no overmind at all;
-- ``patched``: ``OVERMIND=1 python script.py``: the script calls ``monkey_patch_all()`` first
-  and every load hits the (warm) cache;
+- ``patched``: ``OVERMIND=1 python script.py``: the drop-in alone. The script calls
+  ``monkey_patch_all()`` after its ``import os``, so the run is never handed to a warm
+  interpreter (code ran first: Note [When a warm start applies] in overmind.client.warm_start),
+  as with ``OVERMIND_WARM_START=0``; every load hits the (warm) cache. README's one line, handed
+  over, is the warm-up curve's ``patched`` mode (overmind.bench.curve);
 - ``run``: ``OVERMIND=1 overmind run script.py``: forked from the warm interpreter of its
   context, which learned the script's modules in warm-up runs; every load a hit;
 - ``first_run``: ``overmind run`` in a context that has no warm interpreter yet (a fresh value
