@@ -239,3 +239,43 @@ def curve(server: ServerProcess, script: Path, env: dict, runs: int = 3) -> list
         except AssertionError as err:
             raise AssertionError(f"{err}\n{server.log()[-20000:]}") from None
     return outputs
+
+
+def spawn_in_pty(argv, env):
+    """Start ``argv`` as a session leader with a new pty as its controlling terminal."""
+    import fcntl
+    import pty
+    import termios
+
+    master, slave = pty.openpty()
+
+    def take_terminal():
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        # As a terminal's shell starts a foreground job, whatever started these tests (a
+        # background job ignores SIGINT and SIGQUIT, and exec keeps an ignored signal).
+        for sig in (signal.SIGINT, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
+                            preexec_fn=take_terminal)
+    os.close(slave)
+    return proc, master
+
+
+def read_until(fd: int, marker: bytes, timeout: float = 60) -> bytes:
+    import select
+
+    data = b""
+    deadline = time.monotonic() + timeout
+    while marker not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"no {marker!r} in {data!r}")
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data

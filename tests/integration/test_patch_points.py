@@ -150,5 +150,5 @@ def test_every_patch_point_round_trips_and_warm_loads_hit(server, paths):
     assert len(passed) == 3 and passed <= set(pipeline["meta"]["references"])
     assert not passed & set(pipeline["refs"])
     # their loaders were handed those entries: none connected back (Note [The loader is handed its
-    # references] in overmind.server.loads)
-    assert set(server.status()["peers"]) <= {"client", "cli"}, server.status()["peers"]
+    # references] in overmind.server.loads); "run": each script's one line asked for a hand-over
+    assert set(server.status()["peers"]) <= {"client", "cli", "run"}, server.status()["peers"]

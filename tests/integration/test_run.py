@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import child_env
-from .conftest import (OVERMIND, ServerProcess, overmind_run, plain_python, runs_forked,
+from .conftest import (OVERMIND, ServerProcess, overmind_run, plain_python, read_until, runs_forked, spawn_in_pty,
                        started_warm_server, wait_warm)
 
 @pytest.fixture(scope="module")
@@ -109,46 +109,6 @@ def test_stdin_is_the_callers_and_output_is_never_lost_at_exit(warm_server, tmp_
     assert (tmp_path / "out.txt").read_text() == "XY" * 2000
 
 
-def _spawn_in_pty(argv, env):
-    """Start ``argv`` as a session leader with a new pty as its controlling terminal."""
-    import fcntl
-    import pty
-    import termios
-
-    master, slave = pty.openpty()
-
-    def take_terminal():
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-        # As a terminal's shell starts a foreground job, whatever started these tests (a
-        # background job ignores SIGINT and SIGQUIT, and exec keeps an ignored signal).
-        for sig in (signal.SIGINT, signal.SIGQUIT):
-            signal.signal(sig, signal.SIG_DFL)
-
-    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
-                            preexec_fn=take_terminal)
-    os.close(slave)
-    return proc, master
-
-
-def _read_until(fd: int, marker: bytes, timeout: float = 60) -> bytes:
-    import select
-
-    data = b""
-    deadline = time.monotonic() + timeout
-    while marker not in data:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise AssertionError(f"no {marker!r} in {data!r}")
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
 # A script that waits for the test's signal. Not one long time.sleep: CPython runs a Python
 # signal handler only between bytecodes, so a signal that lands after its last check and before
 # clock_nanosleep starts waits for the sleep to end (plain python too). The test signals right
@@ -167,11 +127,11 @@ def test_in_a_terminal_isatty_is_true_and_ctrl_c_raises_keyboard_interrupt(warm_
                       "    print('caught', flush=True)\n"
                       "    sys.exit(4)\n")
     before = runs_forked(warm_server)
-    proc, master = _spawn_in_pty([OVERMIND, "run", str(script)], warm_server.client_env())
+    proc, master = spawn_in_pty([OVERMIND, "run", str(script)], warm_server.client_env())
     try:
-        out = _read_until(master, b"tty True True True")
+        out = read_until(master, b"tty True True True")
         os.write(master, b"\x03")  # Ctrl-C: the terminal signals its foreground group, the front end
-        out += _read_until(master, b"caught")
+        out += read_until(master, b"caught")
         assert proc.wait(timeout=30) == 4
     finally:
         proc.kill()

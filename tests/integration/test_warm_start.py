@@ -16,11 +16,12 @@ import shutil
 import subprocess
 import sys
 import termios
+import time
 import tty
 
 import pytest
 
-from .conftest import runs_forked, started_warm_server, wait_warm
+from .conftest import read_until, runs_forked, spawn_in_pty, started_warm_server, wait_warm
 
 SCRIPT = '''"""The README's one line, then what a run can tell about its process."""
 import overmind.api
@@ -30,7 +31,8 @@ from overmind.shared.contexts import in_warm_run
 print(json.dumps({"warm": in_warm_run(), "argv": sys.argv[1:], "orig_argv": sys.orig_argv[1:],
                   "nofile": resource.getrlimit(resource.RLIMIT_NOFILE), "nice": os.getpriority(os.PRIO_PROCESS, 0),
                   "cpus": sorted(os.sched_getaffinity(0)), "cgroup": pathlib.Path("/proc/self/cgroup").read_text(),
-                  "oom": int(pathlib.Path("/proc/self/oom_score_adj").read_text()), "write_through": sys.stdout.write_through}))
+                  "oom": int(pathlib.Path("/proc/self/oom_score_adj").read_text()),
+                  "nnp": "NoNewPrivs:\\t1" in pathlib.Path("/proc/self/status").read_text(), "write_through": sys.stdout.write_through}))
 sys.exit(6)
 '''
 
@@ -63,7 +65,7 @@ def test_by_default_the_one_line_hands_the_run_to_a_warm_child(warm_server, scri
     assert (seen["warm"], forked, seen["argv"]) == (True, 1, ["a", "b"])
     assert seen["orig_argv"] == [str(script), "a", "b"]
     assert seen["cgroup"] == open("/proc/self/cgroup").read()
-    assert seen["oom"] == int(open("/proc/self/oom_score_adj").read())
+    assert seen["oom"] == int(open("/proc/self/oom_score_adj").read()) and not seen["nnp"]
 
 
 def test_warm_start_0_keeps_the_run_in_its_own_process_and_1_is_the_default(warm_server, script):
@@ -75,7 +77,8 @@ def test_warm_start_0_keeps_the_run_in_its_own_process_and_1_is_the_default(warm
     (["prlimit", "--nofile=256:512"], lambda seen: seen["nofile"] == [256, 512]),
     (["nice", "-n", "7"], lambda seen: seen["nice"] == os.getpriority(os.PRIO_PROCESS, 0) + 7),
     (["taskset", "-c", "0"], lambda seen: seen["cpus"] == [0]),
-], ids=["lower-rlimit", "nice", "affinity"])
+    (["setpriv", "--no-new-privs"], lambda seen: seen["nnp"]),
+], ids=["lower-rlimit", "nice", "affinity", "no-new-privs"])
 def test_the_child_takes_on_the_callers_limits_nice_and_cpus(warm_server, script, wrap, check):
     if shutil.which(wrap[0]) is None:
         pytest.skip(f"{wrap[0]} is not installed")
@@ -155,3 +158,46 @@ def test_the_server_says_why_once_per_context(warm_server, script):
     lines = [line for line in warm_server.log().splitlines() if "started with options (" in line
              and f"-X dev {script})" in line and " INFO " in line]
     assert len(lines) == 1, lines
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_state(pid: int, state: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while _state(pid) != state:
+        assert time.monotonic() < deadline, f"pid {pid} is {_state(pid)}, not {state}"
+        time.sleep(0.02)
+
+
+def test_in_a_terminal_ctrl_z_stops_and_ctrl_c_interrupts_the_handed_over_script(warm_server, tmp_path):
+    """In an interactive shell's terminal: Ctrl-Z stops the job (the command and its warm child),
+    ``fg`` continues it, Ctrl-C raises KeyboardInterrupt in the script, ``$?`` is its status."""
+    script = tmp_path / "wait.py"
+    script.write_text("import overmind.api\novermind.api.monkey_patch_all()\nimport os, sys, time\n"
+                      "from overmind.shared.contexts import in_warm_run\n"
+                      "try:\n    print('child', os.getpid(), in_warm_run(), sys.stdin.isatty(), flush=True)\n"
+                      "    for _ in range(1200):\n        time.sleep(0.05)\n"
+                      "except KeyboardInterrupt:\n    print('caught', flush=True)\n    sys.exit(4)\n")
+    wait_warm(warm_server)
+    shell, master = spawn_in_pty(["bash", "--norc", "--noprofile", "-i"], {**warm_server.client_env(), "PS1": "$ "})
+    try:
+        os.write(master, f"{sys.executable} {script}\n".encode())
+        out = read_until(master, b"True True").decode()
+        child = int(out.split("child ", 1)[1].split()[0])
+        os.write(master, b"\x1a")  # Ctrl-Z
+        read_until(master, b"Stopped")
+        _wait_state(child, "T")
+        os.write(master, b"fg\n")
+        _wait_state(child, "S")
+        os.write(master, b"\x03")  # Ctrl-C
+        read_until(master, b"caught")
+        os.write(master, b"echo status=$?\n")
+        read_until(master, b"status=4")
+        os.write(master, b"exit\n")
+        assert shell.wait(timeout=30) == 0
+    finally:
+        shell.kill()
+        os.close(master)
