@@ -1,4 +1,4 @@
-"""Zero-copy core acceptance (issue 2): SD1.5-size fp16 UNet.
+"""Zero-copy core acceptance: SD1.5-size fp16 UNet.
 
     python benchmarks/core_rebuild.py [--runs 3]
 

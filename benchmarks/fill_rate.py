@@ -1,4 +1,4 @@
-"""How fast a cold load fills the cache: ``overmind.shared.reductions.pack`` of the controlnet workload (issue 11).
+"""How fast a cold load fills the cache: ``overmind.shared.reductions.pack`` of the controlnet workload.
 
     python benchmarks/fill_rate.py [--runs 3] [--settings never,advise] [--before SRC_DIR]
                                    [--pause SECONDS] [--cache-dir ~/.cache/overmind-bench]

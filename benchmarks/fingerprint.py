@@ -1,4 +1,4 @@
-"""Cost of checking that a hit is fresh, for a 20-file model folder (issue 4: at most 2 ms).
+"""Cost of checking that a hit is fresh, for a 20-file model folder (at most 2 ms).
 
     python benchmarks/fingerprint.py       # one JSON document on stdout, PASS or FAIL on stderr
 

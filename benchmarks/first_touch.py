@@ -1,4 +1,4 @@
-"""What the first pass over a warm model's pages costs a fresh process, over time (issue 11).
+"""What the first pass over a warm model's pages costs a fresh process, over time.
 
     python benchmarks/first_touch.py [--gib 3.4] [--processes 20] [--every 3]
 
@@ -41,7 +41,7 @@ print(f"first pass {first:.3f} s (cpu {after.ru_utime - before.ru_utime + after.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=3.4, help="segment size (default 3.4, the seed's workload)")
+    parser.add_argument("--gib", type=float, default=3.4, help="segment size (default 3.4, the ControlNet workload's)")
     parser.add_argument("--processes", type=int, default=20)
     parser.add_argument("--every", type=float, default=3.0, help="seconds between two processes")
     args = parser.parse_args()

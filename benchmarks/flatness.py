@@ -1,4 +1,4 @@
-"""Warm-load time against model size (issue 4): same tensor count, ~8x the bytes.
+"""Warm-load time against model size: same tensor count, ~8x the bytes.
 
     python benchmarks/flatness.py [--runs 15] [--json FILE]
 

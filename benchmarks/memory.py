@@ -1,4 +1,4 @@
-"""Memory acceptance (issue 4): K processes holding a model, plain vs through overmind.
+"""Memory acceptance: K processes holding a model, plain vs through overmind.
 
     python benchmarks/memory.py [--procs 4]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The warm-up curve in a venv as users have it (issue 36; Note [Threads libraries start] in
+# The warm-up curve in a venv as users have it (Note [Threads libraries start] in
 # overmind.warm.fork_safety). Whole processes from the shell, a fresh server per mode, runs 1-5
 # and one after a restart, ratios to plain python timed in the same round:
 #

@@ -1,4 +1,4 @@
-"""How to fill a memfd segment fastest, under each shmem huge-page setting (issues 2 and 11).
+"""How to fill a memfd segment fastest, under each shmem huge-page setting.
 
     python benchmarks/segment_fill.py [--gb 1.0] [--runs 5] [--settings never,advise]
 

@@ -3,7 +3,7 @@
 The client runs through a link to the venv's python, then replaces that link with a program
 that exits at once (a venv deleted or rebuilt under a running script). The server's warm
 interpreter for that context then dies before it is ready; the load must still return plain's
-result, with one warning that names the interpreter and its exit status (issue 20, item 8).
+result, with one warning that names the interpreter and its exit status.
 """
 
 from __future__ import annotations

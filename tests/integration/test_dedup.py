@@ -1,4 +1,4 @@
-"""Stored once: identical contents share one segment region across entries (issue 4, part 3).
+"""Stored once: identical contents share one segment region across entries.
 
 Note [Stored once by content] in overmind.shared.reductions; Note [Content index] in overmind.server.registry.
 """

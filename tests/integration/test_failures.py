@@ -28,57 +28,8 @@ import pytest
 from overmind.shared import protocol as P
 
 from ..conftest import REPO, child_env
-from .conftest import last_json
-
-# Shared by the clients (exec'd in each) and by this process, for the plain-load reference.
-DIGEST = '''
-def digest(obj):
-    import hashlib
-    import torch
-    state = obj.state_dict() if hasattr(obj, "state_dict") else obj
-    h = hashlib.sha256(type(obj).__name__.encode())
-    for name in sorted(state):
-        t = state[name].detach().contiguous().cpu()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-'''
-
-PRELUDE = DIGEST + '''
-import json, os, sys, time, warnings
-if os.environ.get("TEST_SYS_PATH"):  # before monkey_patch_all, so its prestarted loader has it too
-    sys.path.insert(0, os.environ["TEST_SYS_PATH"])
-_caught = []
-warnings.simplefilter("always")
-warnings.showwarning = lambda message, category, *a, **k: _caught.append((category.__name__, str(message)))
-import overmind.api
-overmind.api.monkey_patch_all()
-
-def overmind_warnings():
-    return [m for c, m in _caught if c == "RuntimeWarning" and m.startswith("overmind:")]
-
-def timed(fn, *args, **kwargs):
-    started = time.monotonic()
-    try:
-        return fn(*args, **kwargs), None, time.monotonic() - started
-    except Exception as err:
-        return None, err, time.monotonic() - started
-
-def with_env(name, value, fn, *args):
-    os.environ[name] = value
-    try:
-        return timed(fn, *args)
-    finally:
-        del os.environ[name]
-
-def strict(fn, *args):
-    _, err, seconds = with_env("OVERMIND_STRICT", "1", fn, *args)
-    return {"type": type(err).__name__, "message": str(err), "seconds": seconds}
-
-def report(**fields):
-    fields["warnings"] = overmind_warnings()
-    print(json.dumps(fields))
-'''
+from ..helpers.clients import (DIGEST, PRELUDE, backdate, kill_all, processes_of, run_client, servers_of,
+                               wait_for)
 
 LM_CLIENT = PRELUDE + '''
 from transformers import LlamaForCausalLM
@@ -121,14 +72,6 @@ def plain_lm(models) -> str:
     return _digest(_plain(LlamaForCausalLM.from_pretrained, str(models["lm"])))
 
 
-def _run_client(code: str, env: dict, *args: str, timeout: float = 180) -> dict:
-    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"client exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return last_json(proc)
-
-
 def _start_client(code: str, env: dict, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -139,15 +82,6 @@ def _finish(proc: subprocess.Popen, timeout: float = 180) -> dict:
     if proc.returncode != 0:
         raise AssertionError(f"client exited {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}")
     return json.loads(out.strip().splitlines()[-1])
-
-
-def _backdate(root: Path, seconds: float = 60.0) -> Path:
-    """Age a tree the test just wrote: files modified in the last moments are not cached
-    (Note [Racy files] in overmind.shared.calls)."""
-    when = time.time() - seconds
-    for path in [*root.rglob("*"), root]:
-        os.utime(path, (when, when))
-    return root
 
 
 def _no_server_env(runtime_dir: Path, **extra: str) -> dict:
@@ -169,59 +103,11 @@ def _status(runtime_dir: Path, idle: bool = True) -> dict:
             time.sleep(0.05)
 
 
-def _wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-# -- processes that belong to one runtime dir (servers, warm interpreters, loaders) ----------------------
-
-
-def _processes_of(runtime_dir: Path) -> dict[int, list[bytes]]:
-    """Live processes whose environment names ``runtime_dir``: pid -> argv."""
-    marker = f"OVERMIND_RUNTIME_DIR={runtime_dir}".encode()
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            if marker not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
-                continue
-            if Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue  # a zombie nobody reaped yet (no init in this container): already gone
-            found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError):
-            continue
-    return found
-
-
-def _servers_of(runtime_dir: Path) -> list[int]:
-    return [pid for pid, argv in _processes_of(runtime_dir).items() if argv[1:3] == [b"-m", b"overmind.server"]]
-
-
-def _kill_all(runtime_dir: Path) -> None:
-    for pid in _servers_of(runtime_dir):
-        os.kill(pid, signal.SIGTERM)  # graceful: the server kills its warm interpreters
-    try:
-        _wait_for(lambda: not _processes_of(runtime_dir), 15, "the daemon to stop")
-    except AssertionError:
-        for pid in _processes_of(runtime_dir):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 @pytest.fixture
 def daemon_cleanup(runtime_dir):
     """Stop whatever a test's clients started in ``runtime_dir`` (autostarted daemons)."""
     yield runtime_dir
-    _kill_all(runtime_dir)
+    kill_all(runtime_dir)
 
 
 # -- no server -------------------------------------------------------------------------------
@@ -229,7 +115,7 @@ def daemon_cleanup(runtime_dir):
 
 def test_without_a_server_the_call_returns_the_plain_model_and_warns_once(runtime_dir, models, plain_lm):
     env = _no_server_env(runtime_dir, TEST_STRICT="1")
-    out = _run_client(LM_CLIENT, env, str(models["lm"]))
+    out = run_client(LM_CLIENT, env, str(models["lm"]))
     assert out["first"] == out["second"] == plain_lm
     assert len(out["warnings"]) == 1, out["warnings"]
     assert "no overmind-server" in out["warnings"][0]
@@ -244,20 +130,20 @@ def test_without_a_server_the_call_returns_the_plain_model_and_warns_once(runtim
 def test_first_client_autostarts_a_daemon_and_the_second_gets_a_hit(daemon_cleanup, models, plain_lm):
     runtime_dir = daemon_cleanup
     env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir))
-    first = _run_client(LM_CLIENT, env, str(models["lm"]))
+    first = run_client(LM_CLIENT, env, str(models["lm"]))
     assert first["warnings"] == [] and first["first"] == first["second"] == plain_lm
-    servers = _servers_of(runtime_dir)
+    servers = servers_of(runtime_dir)
     assert len(servers) == 1
     assert (runtime_dir / "server.pid").read_text().strip() == str(servers[0])
     after_first = _status(runtime_dir)  # the daemon cached the model behind the first client
     assert (after_first["misses"], after_first["entries"]) == (1, 1), after_first
 
-    second = _run_client(LM_CLIENT, env, str(models["lm"]))
+    second = run_client(LM_CLIENT, env, str(models["lm"]))
     assert second["warnings"] == [] and second["first"] == second["second"] == plain_lm
     status = _status(runtime_dir)
     assert (status["misses"], status["entries"]) == (1, 1), status
     assert status["hits"] - after_first["hits"] == 2  # both of the second client's loads
-    assert _servers_of(runtime_dir) == servers
+    assert servers_of(runtime_dir) == servers
 
 
 def test_autostart_that_fails_falls_back_with_a_readable_warning(daemon_cleanup):
@@ -275,12 +161,12 @@ import overmind.api
 results = [overmind.api.load(json.loads, '[1, 2, 3]') for _ in range(2)]
 print(json.dumps({"results": results, "warnings": [w for w in caught if w.startswith("overmind:")]}))
 '''
-    out = _run_client(code, env)
+    out = run_client(code, env)
     assert out["results"] == [[1, 2, 3], [1, 2, 3]]
     assert len(out["warnings"]) == 1, out["warnings"]
     assert out["warnings"][0].startswith("overmind: ServerUnavailable: overmind-server failed to start: ")
     assert "server.log" in out["warnings"][0] and "Traceback" not in out["warnings"][0]
-    assert not _servers_of(daemon_cleanup)
+    assert not servers_of(daemon_cleanup)
 
 
 def test_racing_clients_autostart_exactly_one_daemon(daemon_cleanup, models, plain_lm):
@@ -299,7 +185,7 @@ report(digest=digest(LlamaForCausalLM.from_pretrained(sys.argv[1])))
     barrier = runtime_dir / "go"
     clients = [_start_client(code, env, str(models["lm"]), str(barrier)) for _ in range(4)]
     try:
-        _wait_for(lambda: len(list(runtime_dir.glob("go.*"))) == 4, 120, "clients to be ready")
+        wait_for(lambda: len(list(runtime_dir.glob("go.*"))) == 4, 120, "clients to be ready")
         assert not (runtime_dir / "server.sock").exists()
         barrier.touch()  # all four find no server at the same moment
         results = [_finish(c) for c in clients]
@@ -309,7 +195,7 @@ report(digest=digest(LlamaForCausalLM.from_pretrained(sys.argv[1])))
                 c.kill()
     assert all(r["digest"] == plain_lm for r in results)
     assert all(r["warnings"] == [] for r in results), [r["warnings"] for r in results]
-    assert len(_servers_of(runtime_dir)) == 1
+    assert len(servers_of(runtime_dir)) == 1
     status = _status(runtime_dir)
     assert status["misses"] + status["hits"] == 4 and status["misses"] == 1 and status["entries"] == 1, status
 
@@ -354,13 +240,13 @@ report(first=digest(first), second=digest(second), seconds=[t1, t2], returned_at
     client = _start_client(code, env, str(models["lm"]), str(marker))
     loader_pid = None
     try:
-        _wait_for(marker.exists, 120, "the loader to start the load")
+        wait_for(marker.exists, 120, "the loader to start the load")
         loader_pid = int(marker.read_text())
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(10)
         out = _finish(client)
         # The warm interpreter notices the server is gone and exits.
-        _wait_for(lambda: set(_processes_of(server.runtime_dir)) <= {loader_pid}, 30, "the warm interpreter to exit",
+        wait_for(lambda: set(processes_of(server.runtime_dir)) <= {loader_pid}, 30, "the warm interpreter to exit",
                   interval=0.1)
     finally:
         if client.poll() is None:
@@ -384,7 +270,7 @@ def test_frozen_server_costs_at_most_the_reply_bound_not_the_timeout(server, mod
     env = server.client_env(OVERMIND_REPLY_TIMEOUT="1.5", TEST_STRICT="1")
     server.proc.send_signal(signal.SIGSTOP)
     try:
-        out = _run_client(LM_CLIENT, env, str(models["lm"]))
+        out = run_client(LM_CLIENT, env, str(models["lm"]))
     finally:
         server.proc.send_signal(signal.SIGCONT)
     assert out["first"] == out["second"] == plain_lm
@@ -455,7 +341,7 @@ def _garbled_entry(conn: socket.socket) -> None:
 def test_fake_server_answering_garbage_falls_back(runtime_dir, models, plain_lm, reply):
     fake = FakeServer(runtime_dir, reply)
     try:
-        out = _run_client(LM_CLIENT, _no_server_env(runtime_dir, TEST_STRICT="1"), str(models["lm"]))
+        out = run_client(LM_CLIENT, _no_server_env(runtime_dir, TEST_STRICT="1"), str(models["lm"]))
     finally:
         fake.close()
     assert fake.connections >= 1
@@ -484,12 +370,12 @@ def test_loader_exception_reaches_the_user_as_the_original_type(server, tmp_path
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "llama", ')  # cut short
-    _backdate(broken)
+    backdate(broken)
     with pytest.raises(Exception) as plain:
         _plain(LlamaForCausalLM.from_pretrained, str(broken))
     code = FAILING_CLIENT.replace("LOAD(", "LlamaForCausalLM.from_pretrained(")
     code = code.replace("def call():", "from transformers import LlamaForCausalLM\ndef call():")
-    out = _run_client(code, server.client_env(), str(broken))
+    out = run_client(code, server.client_env(), str(broken))
     expected = type(plain.value).__name__
     assert out["errors"] == [expected, expected], out  # exactly what the plain call raises
     assert out["warnings"] == []  # as the plain call: the original raised, nothing else to say
@@ -526,10 +412,10 @@ def _run_custom_loader(server, tmp_path: Path, name: str, source: str) -> tuple[
     modules.mkdir()
     data.mkdir()
     (modules / f"{name}.py").write_text(source)
-    _backdate(data)
+    backdate(data)
     code = FAILING_CLIENT.replace("LOAD(", f"overmind.api.load({name}.load, ")
     code = code.replace("def call():", f"import {name}\ndef call():")
-    return _run_client(code, server.client_env(TEST_SYS_PATH=str(modules)), str(data)), data
+    return run_client(code, server.client_env(TEST_SYS_PATH=str(modules)), str(data)), data
 
 
 def test_a_result_the_cache_cannot_hold_is_loaded_plainly_with_one_warning(server, tmp_path):
@@ -573,7 +459,7 @@ report(digest=digest(safetensors.torch.load_file(weights)))
     env = server.client_env(OVERMIND_COLD="wait")  # all sixteen wait for the one load
     clients = [_start_client(code, env, str(weights), str(barrier)) for _ in range(16)]
     try:
-        _wait_for(lambda: len(list(server.runtime_dir.glob("go.*"))) == 16, 150, "16 clients to be ready")
+        wait_for(lambda: len(list(server.runtime_dir.glob("go.*"))) == 16, 150, "16 clients to be ready")
         barrier.touch()  # all sixteen ask at once
         results = [_finish(c) for c in clients]
     finally:

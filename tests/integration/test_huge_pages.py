@@ -1,4 +1,4 @@
-"""Huge pages for segments (issue 11): copy-on-write, seals and layout hold with them.
+"""Huge pages for segments: copy-on-write, seals and layout hold with them.
 
 Note [Huge pages for segments] in overmind.shared.memfd. Tests never change the machine's
 ``shmem_enabled``: where it gives no huge pages (``never``, the default here) the huge-page

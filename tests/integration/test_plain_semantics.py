@@ -278,7 +278,7 @@ def test_the_load_report_of_a_new_head_is_logged_on_a_hit(runs):
     assert any("MISSING" in r[2] and r[1] == "WARNING" for r in expected["records"]), expected
 
 
-# -- a generator the load imports: issue 20, item 1 -------------------------------------------
+# -- a generator the load imports ---------------------------------------------------------------
 
 NUMPY_SCRIPT = PRELUDE + r"""
 from transformers import AutoModelForCausalLM

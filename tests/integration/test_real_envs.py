@@ -75,7 +75,7 @@ def test_a_fork_past_openblas_and_jemalloc_computes_in_the_child(many_cpus):
     found = json.loads(out.strip().splitlines()[-1])
     assert len(found["started"]) >= 30 and "jemalloc_bg_thd" in found["started"], found["started"]
     assert found["own"] == 1, found  # the main thread: both pools stopped, jemalloc's thread forked past
-    assert found["took"] < 0.25, found  # no wait for the main thread to end (fork_safety.settled_threads)
+    assert found["took"] < 0.25, found  # no wait for the main thread to end (fork_safety.own_threads)
     assert found["why"] == ""
     assert found["status"] == 0 and found["child"]["ok"] and found["child"]["total"] == 4999950000
     assert found["child"]["pools"] == found["pools"]

@@ -18,8 +18,8 @@ import pytest
 from overmind.shared import protocol as P
 
 from ..conftest import REPO, child_env
-from .conftest import ServerProcess, last_json
-from .test_failures import PRELUDE, _backdate, _kill_all, _run_client, _servers_of, _wait_for
+from ..helpers.clients import PRELUDE, backdate, kill_all, run_client, servers_of, wait_for
+from .conftest import ServerProcess
 
 LM = PRELUDE + '''
 from transformers import LlamaForCausalLM
@@ -51,7 +51,7 @@ def _handshake(server) -> socket.socket:
 @pytest.fixture(scope="module")
 def plain_lm(models) -> float:
     """The LM's weights as plain python loads them (once: every setting below compares to it)."""
-    return _run_client(LM + "report(a=weights(LlamaForCausalLM.from_pretrained(path)))",
+    return run_client(LM + "report(a=weights(LlamaForCausalLM.from_pretrained(path)))",
                        child_env(OVERMIND_DISABLE="1"), str(models["lm"]))["a"]
 
 
@@ -66,7 +66,7 @@ a = weights(LlamaForCausalLM.from_pretrained(path))
 b = weights(LlamaForCausalLM.from_pretrained(path))
 report(a=a, b=b, strict=strict(LlamaForCausalLM.from_pretrained, path))
 '''
-    out = _run_client(code, server.client_env(**{name: value}), str(models["lm"]))
+    out = run_client(code, server.client_env(**{name: value}), str(models["lm"]))
     assert out["a"] == out["b"] == plain_lm
     assert len(out["warnings"]) == 1 and f"{name}={value!r}" in out["warnings"][0], out["warnings"]
     assert "accepted: " in out["warnings"][0] or "use 40G" in out["warnings"][0], out["warnings"]
@@ -79,7 +79,7 @@ def test_bad_yes_no_values_and_patch_points_warn_once_each_and_the_cache_still_s
     # and acts as its default, so the loads still go through the cache.
     env = server.client_env(OVERMIND_PATCH="garbage", OVERMIND_STRICT="banana", OVERMIND_DISABLE="maybe")
     code = LM + "report(**{k: weights(LlamaForCausalLM.from_pretrained(path)) for k in 'ab'})"
-    out = _run_client(code, env, str(models["lm"]))
+    out = run_client(code, env, str(models["lm"]))
     assert out["a"] == out["b"]
     warnings = sorted(out["warnings"])
     assert len(warnings) == 3, warnings
@@ -150,7 +150,7 @@ os.utime(sys.argv[1], (time.time() - 60, time.time() - 60))
 got = torch.load(sys.argv[1], map_location=Odd(cpu="cpu"))
 report(w=got["w"].tolist(), strict=strict(torch.load, sys.argv[1], Odd(cpu="cpu")))
 '''
-    out = _run_client(code, server.client_env(), str(tmp_path / "w.pt"))
+    out = run_client(code, server.client_env(), str(tmp_path / "w.pt"))
     assert out["w"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert len(out["warnings"]) == 1 and "no pickling for you" in out["warnings"][0], out["warnings"]
     assert out["strict"]["type"] == "OvermindError" and "no pickling for you" in out["strict"]["message"]
@@ -185,7 +185,7 @@ report(first=weights(first), second=weights(second), err=repr(err), seconds=seco
 '''
     env = server.client_env(OVERMIND_COLD="wait", OVERMIND_REPLY_TIMEOUT="1.25")
     try:
-        out = _run_client(code, env, str(models["lm"]), str(server.pid))
+        out = run_client(code, env, str(models["lm"]), str(server.pid))
     finally:
         server.proc.send_signal(signal.SIGCONT)
     assert out["server"] == [True, True], out  # stopped throughout the second call
@@ -202,17 +202,17 @@ def test_a_deleted_socket_is_replaced_and_no_second_server_is_started(runtime_di
         env = server.client_env(OVERMIND_COLD="wait")
         env.pop("OVERMIND_NO_AUTOSTART")  # clients may start a server: they must not start a second one
         code = LM + "m = LlamaForCausalLM.from_pretrained(path); report(w=weights(m))"
-        first = _run_client(code, env, str(models["lm"]))
+        first = run_client(code, env, str(models["lm"]))
         server.socket_path.unlink()
-        again = _run_client(code, env, str(models["lm"]))
+        again = run_client(code, env, str(models["lm"]))
         assert again["w"] == first["w"] and again["warnings"] == [], again
-        assert _servers_of(runtime_dir) == [server.pid]
+        assert servers_of(runtime_dir) == [server.pid]
         status = server.status()
         assert status["socket_rebinds"] == 1 and status["hits"] >= 1, status
         assert "was removed or replaced" in server.log()
     finally:
         server.stop()
-        _kill_all(runtime_dir)
+        kill_all(runtime_dir)
 
 
 def test_the_cli_finds_and_stops_a_server_it_cannot_reach(runtime_dir):
@@ -256,7 +256,7 @@ def test_a_server_started_while_the_last_one_still_holds_the_runtime_dir_waits_f
             os.close(lock)
         subprocess.run([sys.executable, "-m", "overmind", "shutdown"], env=env, capture_output=True, timeout=60,
                        cwd=REPO)
-        _kill_all(runtime_dir)
+        kill_all(runtime_dir)
 
 
 def test_the_cli_counts_a_process_alive_until_its_last_thread_is_gone():
@@ -273,9 +273,9 @@ def test_the_cli_counts_a_process_alive_until_its_last_thread_is_gone():
             with open(f"/proc/{proc.pid}/stat", "rb") as f:
                 return f.read().rpartition(b")")[2].split()[0]
 
-        _wait_for(lambda: first_thread_state() == b"Z", 30, "the first thread to exit")
+        wait_for(lambda: first_thread_state() == b"Z", 30, "the first thread to exit")
         assert len(os.listdir(f"/proc/{proc.pid}/task")) == 2 and _alive(proc.pid)
-        _wait_for(lambda: not _alive(proc.pid), 30, "the other thread to end")  # the other thread ended: a zombie to reap
+        wait_for(lambda: not _alive(proc.pid), 30, "the other thread to end")  # the other thread ended: a zombie to reap
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
@@ -300,7 +300,7 @@ def test_a_loader_killed_mid_fill_does_not_poison_the_key(server, tmp_path):
     modules.mkdir()
     data.mkdir()
     (modules / "dying_loader.py").write_text(DYING_MODULE)
-    _backdate(data)
+    backdate(data)
     marker = str(data) + ".die"
     open(marker, "w").close()
     code = PRELUDE + '''
@@ -309,11 +309,11 @@ got = overmind.api.load(dying_loader.load, sys.argv[1])
 report(got=got)
 '''
     env = server.client_env(TEST_SYS_PATH=str(modules), OVERMIND_COLD="wait")
-    died = _run_client(code, env, str(data))
+    died = run_client(code, env, str(data))
     assert died["got"] == {"path": str(data), "n": 42}
     assert len(died["warnings"]) == 1 and "LOADER_CRASHED" in died["warnings"][0], died["warnings"]
     os.unlink(marker)  # the next try would succeed: it must be made
-    retried = _run_client(code, env, str(data))
+    retried = run_client(code, env, str(data))
     assert retried["got"] == died["got"] and retried["warnings"] == [], retried["warnings"]
     status = server.status()
     assert (status["misses"], status["entries"], status["remembered_failures"]) == (2, 1, 0), status
@@ -359,15 +359,15 @@ def test_connections_past_the_cap_are_refused_busy_and_the_server_keeps_serving(
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(10)
             # A full listen backlog answers EAGAIN: wait for the server to accept the earlier ones.
-            _wait_for(lambda: sock.connect_ex(str(server.socket_path)) == 0, 20, "a free backlog slot")
+            wait_for(lambda: sock.connect_ex(str(server.socket_path)) == 0, 20, "a free backlog slot")
             held.append(sock)
         # The extra ones get BUSY and are closed; the first MAX_CONNECTIONS wait for a handshake.
-        refused = _wait_for(lambda: server_busy(held[-5:]), 20, "BUSY answers")
+        refused = wait_for(lambda: server_busy(held[-5:]), 20, "BUSY answers")
         assert refused == 5
     finally:
         for sock in held:
             sock.close()
-    _wait_for(lambda: server.status()["connections"] <= 1, 20, "the connections to be released")
+    wait_for(lambda: server.status()["connections"] <= 1, 20, "the connections to be released")
     assert server.status()["busy_refusals"] >= 5
 
 

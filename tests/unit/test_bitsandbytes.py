@@ -18,7 +18,7 @@ from overmind.shared import quirks
 from overmind.shared.reductions import pack, unpack  # noqa: E402
 
 from ..conftest import run_python  # noqa: E402
-from .test_reductions import inside, mapping_ranges  # noqa: E402
+from ..helpers.mappings import inside, mapping_ranges  # noqa: E402
 
 Params4bit = bnb.nn.Params4bit
 Int8Params = bnb.nn.Int8Params

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import pickle
@@ -13,24 +12,12 @@ import torch
 from overmind.shared.reductions import pack, unpack
 
 from ..conftest import run_python
+from ..helpers.mappings import inside, mapping_ranges
 
 
 def rebuild(packed):
     mappings = packed.map_private()
     return unpack(packed.skeleton, mappings), mappings
-
-
-def mapping_ranges(mappings) -> list[tuple[int, int]]:
-    out = []
-    for m in mappings:
-        if m is not None:
-            base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-            out.append((base, base + len(m)))
-    return out
-
-
-def inside(ranges, tensor) -> bool:
-    return any(lo <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= hi for lo, hi in ranges)
 
 
 def open_in_child(packed) -> str:

@@ -1,7 +1,7 @@
-"""overmind.warm.script: a child forked from a warm zygote behaves as a fresh `python SCRIPT` would.
+"""overmind.warm.script: a child forked from a warm interpreter behaves as a fresh `python SCRIPT` would.
 
-Real processes only. One driver interpreter per module plays the zygote: it imports torch and
-numpy, leaves behind the state a zygote may have (seeded RNGs, signal handlers, a blocked
+Real processes only. One driver interpreter per module plays the interpreter: it imports torch and
+numpy, leaves behind the state an interpreter may have (seeded RNGs, signal handlers, a blocked
 signal, umask, cwd "/", an extra environment variable, unflushed stdout, faulthandler), and
 forks one child per run, which calls ``warm.become()`` with fds the test passes over a socket.
 Each run is compared with the same command under a plain ``python`` with the same fds, cwd,
@@ -30,15 +30,15 @@ from overmind.warm import script as warm
 
 DRIVER = r"""
 import gc, json, os, random, signal, socket, sys
-os.chdir("/")                     # a zygote's cwd, before torch imports multiprocessing
-import numpy, torch               # what a zygote has already imported
+os.chdir("/")                     # an interpreter's cwd, before torch imports multiprocessing
+import numpy, torch               # what an interpreter has already imported
 from overmind.warm import script as warm
 
-# What a zygote may leave behind; no run may inherit any of it.
+# What an interpreter may leave behind; no run may inherit any of it.
 random.seed(0); numpy.random.seed(0); torch.manual_seed(0)
-os.environ["OVERMIND_ZYGOTE_ONLY"] = "1"
+os.environ["OVERMIND_INTERPRETER_ONLY"] = "1"
 os.environ["TMPDIR"] = sys.argv[2]
-import tempfile; tempfile.tempdir = None; tempfile.gettempdir()  # cached from the zygote's TMPDIR
+import tempfile; tempfile.tempdir = None; tempfile.gettempdir()  # cached from the interpreter's TMPDIR
 os.umask(0o077)
 for sig, handler in [(signal.SIGTERM, lambda *a: None), (signal.SIGCHLD, lambda *a: None),
                      (signal.SIGINT, signal.SIG_IGN), (signal.SIGPIPE, signal.SIG_DFL),
@@ -47,14 +47,14 @@ for sig, handler in [(signal.SIGTERM, lambda *a: None), (signal.SIGCHLD, lambda 
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
 wake_r, wake_w = os.pipe(); os.set_blocking(wake_w, False); signal.set_wakeup_fd(wake_w)
 import faulthandler; faulthandler.enable()
-sys.stdout.write("ZYGOTE OUTPUT\n")    # left in the zygote's stdout buffer, never flushed
+sys.stdout.write("INTERPRETER OUTPUT\n")    # left in the interpreter's stdout buffer, never flushed
 import weakref
 class Shared: pass
 shared = Shared()                  # say, a temporary directory made at import, for all runs
-weakref.finalize(shared, os.write, 2, b"ZYGOTE FINALIZER RAN\n")
+weakref.finalize(shared, os.write, 2, b"INTERPRETER FINALIZER RAN\n")
 
 ctl = socket.socket(fileno=int(sys.argv[1]))
-gc.freeze()                       # what a zygote does before forking (Note in warm.py)
+gc.freeze()                       # what an interpreter does before forking (Note [Frozen before forking] in overmind.warm.interpreter)
 ctl.send(b"ready")
 while True:
     msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 3)
@@ -77,7 +77,7 @@ while True:
 """
 
 # The environment every run gets, warm or cold. PYTHONUNBUFFERED and PYTHONDONTWRITEBYTECODE,
-# set for the zygote, are absent: runs must not inherit them.
+# set for the interpreter, are absent: runs must not inherit them.
 RUN_ENV = {
     "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
     "HOME": os.environ.get("HOME", "/"),
@@ -85,18 +85,18 @@ RUN_ENV = {
     "TZ": "Asia/Tokyo",
     "OVERMIND_WARM_TEST": "only in the run's environment",
 }
-ZYGOTE_ENV = {**RUN_ENV, "TZ": "UTC", "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1"}
+INTERPRETER_ENV = {**RUN_ENV, "TZ": "UTC", "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-class Zygote:
+class Interpreter:
     def __init__(self, workdir: Path):
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.log = workdir / "zygote.log"
+        self.log = workdir / "interpreter.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", DRIVER, str(theirs.fileno()), str(workdir)], pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                env=ZYGOTE_ENV, start_new_session=True)
+                env=INTERPRETER_ENV, start_new_session=True)
         theirs.close()
         self.sock.settimeout(120)
         if self.sock.recv(16) != b"ready":
@@ -115,8 +115,8 @@ class Zygote:
 
 
 @pytest.fixture(scope="module")
-def zygote(tmp_path_factory):
-    z = Zygote(tmp_path_factory.mktemp("zygote"))
+def interpreter(tmp_path_factory):
+    z = Interpreter(tmp_path_factory.mktemp("interpreter"))
     yield z
     z.close()
 
@@ -191,12 +191,12 @@ def command(mode: str, target: str, args: tuple[str, ...]) -> list[str]:
     return {"script": [target], "module": ["-m", target], "code": ["-c", target]}[mode] + list(args)
 
 
-def warm_run(zygote: Zygote, mode: str, target: str, *args: str, cwd: Path, env: dict | None = None,
+def warm_run(interpreter: Interpreter, mode: str, target: str, *args: str, cwd: Path, env: dict | None = None,
              umask: int = 0o022, ignored: tuple[int, ...] = (), unfreeze: bool = False,
              low_fds: bool = False, **stdio) -> Ran:
     spec = {"mode": mode, "target": target, "argv": list(args), "cwd": str(cwd),
             "env": RUN_ENV if env is None else env, "umask": umask, "ignored_signals": list(ignored)}
-    return run(lambda fds: zygote.launch(spec, fds, unfreeze, low_fds), **stdio)
+    return run(lambda fds: interpreter.launch(spec, fds, unfreeze, low_fds), **stdio)
 
 
 def cold_run(mode: str, target: str, *args: str, cwd: Path, env: dict | None = None,
@@ -216,10 +216,10 @@ def cold_run(mode: str, target: str, *args: str, cwd: Path, env: dict | None = N
     return run(launch, **stdio)
 
 
-def both(zygote: Zygote, mode: str, target: str, *args: str, cwd: Path, **kw) -> tuple[Ran, Ran]:
-    w = warm_run(zygote, mode, target, *args, cwd=cwd, **kw)
+def both(interpreter: Interpreter, mode: str, target: str, *args: str, cwd: Path, **kw) -> tuple[Ran, Ran]:
+    w = warm_run(interpreter, mode, target, *args, cwd=cwd, **kw)
     c = cold_run(mode, target, *args, cwd=cwd, **{k: v for k, v in kw.items() if k not in ("unfreeze", "low_fds")})
-    assert b"ZYGOTE" not in w.out + w.err
+    assert b"INTERPRETER" not in w.out + w.err
     return w, c
 
 
@@ -277,17 +277,17 @@ def proj(tmp_path):
     ("script", "./sub/../sub/probe.py"), ("script", "link.py"), ("script", "app"),
     ("script", "sub/compiled.pyc"), ("module", "probe"), ("code", PROBE)],
     ids=["script", "symlinked-script", "directory", "compiled-script", "module", "code"])
-def test_a_warm_run_sees_what_plain_python_sees(zygote, proj, mode, target):
-    w, c = both(zygote, mode, target, "a1", "--flag", cwd=proj)
+def test_a_warm_run_sees_what_plain_python_sees(interpreter, proj, mode, target):
+    w, c = both(interpreter, mode, target, "a1", "--flag", cwd=proj)
     assert w.facts() == c.facts()
     facts = w.facts()
     assert facts["argv"][1:] == ["a1", "--flag"]
     path0 = {"./sub/../sub/probe.py": proj / "sub", "link.py": proj / "sub", "app": proj / "app",
              "sub/compiled.pyc": proj / "sub", "probe": proj}
     assert facts["path"][0] == str(path0.get(target, ""))
-    assert facts["environ"] == RUN_ENV and "OVERMIND_ZYGOTE_ONLY" not in str(facts["c_environ"])
+    assert facts["environ"] == RUN_ENV and "OVERMIND_INTERPRETER_ONLY" not in str(facts["c_environ"])
     assert facts["cwd"] == str(proj) and facts["umask"] == 0o022 and facts["own_group"]
-    assert facts["annotations"] == "{'x': <class 'int'>}"  # no __future__ leaked from warm.py
+    assert facts["annotations"] == "{'x': <class 'int'>}"  # no __future__ leaked from overmind/warm/script.py
     assert w.err == c.err == b""
 
 
@@ -298,9 +298,9 @@ def test_a_warm_run_sees_what_plain_python_sees(zygote, proj, mode, target):
     {"LANG": "C.UTF-8", "PYTHONIOENCODING": ":replace", "PYTHONSAFEPATH": "1", "PYTHONDONTWRITEBYTECODE": "1",
      "PYTHONFAULTHANDLER": "1", "PYTHONINTMAXSTRDIGITS": "640", "PYTHONUTF8": "0"},
 ], ids=["c-locale", "lc-all-c", "ioencoding-unbuffered", "safepath-and-flags"])
-def test_start_up_environment_variables_act_per_run(zygote, proj, env):
+def test_start_up_environment_variables_act_per_run(interpreter, proj, env):
     env = {"PATH": RUN_ENV["PATH"], **env}
-    w, c = both(zygote, "script", "sub/probe.py", cwd=proj, env=env)
+    w, c = both(interpreter, "script", "sub/probe.py", cwd=proj, env=env)
     warm_facts, cold_facts = w.facts(), c.facts()
     if "PYTHONFAULTHANDLER" in env:
         # A fresh python enables faulthandler before its signal module starts, so getsignal()
@@ -313,14 +313,14 @@ def test_start_up_environment_variables_act_per_run(zygote, proj, env):
     assert w.err == c.err
 
 
-def test_signals_the_callers_shell_ignored_stay_ignored(zygote, proj):
+def test_signals_the_callers_shell_ignored_stay_ignored(interpreter, proj):
     ignored = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-    w, c = both(zygote, "script", "sub/probe.py", cwd=proj, ignored=ignored)
+    w, c = both(interpreter, "script", "sub/probe.py", cwd=proj, ignored=ignored)
     assert w.facts()["signals"] == c.facts()["signals"]
     assert w.facts()["signals"]["SIGINT"] == "<Handlers.SIG_IGN: 1>"
 
 
-def test_stdout_and_stderr_on_one_pipe_interleave_as_in_plain_python(zygote, tmp_path):
+def test_stdout_and_stderr_on_one_pipe_interleave_as_in_plain_python(interpreter, tmp_path):
     # A pipe makes stdout block buffered and stderr line buffered: stderr lines come first.
     write(tmp_path / "mix.py", """\
         import sys
@@ -330,38 +330,38 @@ def test_stdout_and_stderr_on_one_pipe_interleave_as_in_plain_python(zygote, tmp
         sys.stdout.write("x" * 20000 + "\\n")
         print("last err", file=sys.stderr)
         """)
-    w, c = both(zygote, "script", "mix.py", cwd=tmp_path, merged=True)
+    w, c = both(interpreter, "script", "mix.py", cwd=tmp_path, merged=True)
     assert (w.status, w.out) == (c.status, c.out)
     assert w.out.startswith(b"err 0\nerr 1\nerr 2\n")
 
 
-def test_stdout_to_a_file_and_stderr_to_a_pipe_match_plain_python(zygote, tmp_path):
+def test_stdout_to_a_file_and_stderr_to_a_pipe_match_plain_python(interpreter, tmp_path):
     write(tmp_path / "files.py", """\
         import sys
         print("to file", sys.stdout.isatty(), sys.stdout.line_buffering)
         print("to pipe", sys.stderr.isatty(), sys.stderr.line_buffering, file=sys.stderr)
         """)
-    w = warm_run(zygote, "script", "files.py", cwd=tmp_path, stdout_file=tmp_path / "w.txt")
+    w = warm_run(interpreter, "script", "files.py", cwd=tmp_path, stdout_file=tmp_path / "w.txt")
     c = cold_run("script", "files.py", cwd=tmp_path, stdout_file=tmp_path / "c.txt")
     assert (w.status, w.out, w.err) == (c.status, c.out, c.err)
     assert w.out == b"to file False False\n"
 
 
-def test_a_pty_is_a_tty_and_stdout_is_line_buffered(zygote, tmp_path):
+def test_a_pty_is_a_tty_and_stdout_is_line_buffered(interpreter, tmp_path):
     write(tmp_path / "tty.py", """\
         import sys
         print("tty", sys.stdin.isatty(), sys.stdout.isatty(), sys.stderr.isatty(), sys.stdout.line_buffering)
         print("out 1"); print("err", file=sys.stderr); print("out 2")
         """)
-    w, c = both(zygote, "script", "tty.py", cwd=tmp_path, tty=True)
+    w, c = both(interpreter, "script", "tty.py", cwd=tmp_path, tty=True)
     assert (w.status, w.out) == (c.status, c.out)
     assert w.out == b"tty True True True True\r\nout 1\r\nerr\r\nout 2\r\n"
 
 
 @pytest.mark.parametrize("low_fds", [False, True], ids=["fds-above-2", "fds-crossed-on-0-and-1"])
-def test_stdin_is_read_as_in_plain_python(zygote, tmp_path, low_fds):
+def test_stdin_is_read_as_in_plain_python(interpreter, tmp_path, low_fds):
     code = "name = input('name? '); import sys; rest = sys.stdin.read(); print(name.upper(), rest[::-1])"
-    w, c = both(zygote, "code", code, cwd=tmp_path, stdin="zoë\nabc\ndef".encode(), low_fds=low_fds)
+    w, c = both(interpreter, "code", code, cwd=tmp_path, stdin="zoë\nabc\ndef".encode(), low_fds=low_fds)
     assert (w.status, w.out, w.err) == (c.status, c.out, c.err)
     assert w.out == "name? ZOË fed\ncba\n".encode()
 
@@ -379,13 +379,13 @@ def test_stdin_is_read_as_in_plain_python(zygote, tmp_path, low_fds):
     ("import os, signal, time; os.kill(os.getpid(), signal.SIGUSR2); time.sleep(10)", -12),
 ], ids=["exit-3", "exit-263", "exit-message", "exit-none", "exception", "excepthook",
         "keyboardinterrupt", "sigint", "sigterm", "sigusr2-unblocked"])
-def test_exit_status_and_stderr_match_plain_python(zygote, tmp_path, code, status):
-    w, c = both(zygote, "code", code, cwd=tmp_path)
+def test_exit_status_and_stderr_match_plain_python(interpreter, tmp_path, code, status):
+    w, c = both(interpreter, "code", code, cwd=tmp_path)
     assert (w.status, w.out, w.err) == (c.status, c.out, c.err)
     assert w.status == status
 
 
-def test_a_script_error_shows_the_same_traceback(zygote, tmp_path):
+def test_a_script_error_shows_the_same_traceback(interpreter, tmp_path):
     write(tmp_path / "boom.py", """\
         def inner():
             raise RuntimeError("deep")
@@ -393,28 +393,28 @@ def test_a_script_error_shows_the_same_traceback(zygote, tmp_path):
         """)
     write(tmp_path / "syntax.py", "x = (\n")
     for script in ("boom.py", "syntax.py"):
-        w, c = both(zygote, "script", script, cwd=tmp_path)
+        w, c = both(interpreter, "script", script, cwd=tmp_path)
         assert (w.status, w.err) == (c.status, c.err) and w.status == 1
-        assert b"warm.py" not in w.err
+        assert b"warm/script.py" not in w.err  # its frames are cut from the traceback
 
 
 @pytest.mark.parametrize("mode, target, status", [
     ("script", "missing.py", 2), ("module", "no_such_module", 1), ("script", "empty_dir", 1)])
-def test_what_cannot_be_found_fails_as_in_plain_python(zygote, tmp_path, mode, target, status):
+def test_what_cannot_be_found_fails_as_in_plain_python(interpreter, tmp_path, mode, target, status):
     (tmp_path / "empty_dir").mkdir()
-    w, c = both(zygote, mode, target, cwd=tmp_path)
+    w, c = both(interpreter, mode, target, cwd=tmp_path)
     assert (w.status, w.out, w.err) == (c.status, c.out, c.err)
     assert w.status == status
 
 
-def test_a_stdout_nobody_reads_fails_the_final_flush_with_status_120(zygote, tmp_path):
-    # SIGPIPE must be ignored (the zygote had it at SIG_DFL) and the flush error reported.
-    w, c = both(zygote, "code", "print('x' * 10)", cwd=tmp_path, stdout_closed=True)
+def test_a_stdout_nobody_reads_fails_the_final_flush_with_status_120(interpreter, tmp_path):
+    # SIGPIPE must be ignored (the interpreter had it at SIG_DFL) and the flush error reported.
+    w, c = both(interpreter, "code", "print('x' * 10)", cwd=tmp_path, stdout_closed=True)
     assert (w.status, w.err) == (c.status, c.err)
     assert w.status == 120 and b"BrokenPipeError" in w.err
 
 
-def test_threads_atexit_and_finalizers_run_before_exit(zygote, tmp_path):
+def test_threads_atexit_and_finalizers_run_before_exit(interpreter, tmp_path):
     write(tmp_path / "late.py", """\
         import atexit, sys, threading, time
         atexit.register(lambda: print("atexit ran, __file__ kept:", hasattr(sys.modules["__main__"], "__file__")))
@@ -438,7 +438,7 @@ def test_threads_atexit_and_finalizers_run_before_exit(zygote, tmp_path):
         sys.modules[__name__ + ".file"] = kept  # held past __main__'s teardown
         """)
     files = ("left-open.txt", "kept-open.txt")
-    w = warm_run(zygote, "script", "late.py", cwd=tmp_path)
+    w = warm_run(interpreter, "script", "late.py", cwd=tmp_path)
     warm_files = [(tmp_path / name).read_bytes() for name in files]
     c = cold_run("script", "late.py", cwd=tmp_path)
     assert (w.status, w.out, w.err) == (c.status, c.out, c.err)
@@ -447,25 +447,25 @@ def test_threads_atexit_and_finalizers_run_before_exit(zygote, tmp_path):
     assert warm_files == [b"written, never closed\n", b"kept by a module\n"]
 
 
-def test_the_zygotes_unflushed_output_never_reaches_a_run(zygote, tmp_path):
-    # Without gc.freeze() in the zygote, the exit sweep sees the zygote's own stdout too.
-    w = warm_run(zygote, "code", "print('run output')", cwd=tmp_path, unfreeze=True)
+def test_the_interpreters_unflushed_output_never_reaches_a_run(interpreter, tmp_path):
+    # Without gc.freeze() in the interpreter, the exit sweep sees the interpreter's own stdout too.
+    w = warm_run(interpreter, "code", "print('run output')", cwd=tmp_path, unfreeze=True)
     assert (w.status, w.out, w.err) == (0, b"run output\n", b"")
 
 
-def test_random_state_is_fresh_in_every_run(zygote, tmp_path):
+def test_random_state_is_fresh_in_every_run(interpreter, tmp_path):
     code = ("import json, multiprocessing, random, numpy, torch; print(json.dumps([random.random(), "
             "float(numpy.random.rand()), torch.randn(3).tolist(), torch.initial_seed(), "
             "multiprocessing.current_process().authkey.hex()]))")
-    first, second = (warm_run(zygote, "code", code, cwd=tmp_path).facts() for _ in range(2))
+    first, second = (warm_run(interpreter, "code", code, cwd=tmp_path).facts() for _ in range(2))
     for a, b in zip(first, second):
         assert a != b
     random.seed(0)
     assert first[0] != random.random()
-    assert 0 not in (first[3], second[3])  # the zygote's torch.manual_seed(0) is gone
+    assert 0 not in (first[3], second[3])  # the interpreter's torch.manual_seed(0) is gone
 
 
-def test_multiprocessing_spawn_and_fork_work_from_a_warm_script(zygote, tmp_path):
+def test_multiprocessing_spawn_and_fork_work_from_a_warm_script(interpreter, tmp_path):
     write(tmp_path / "mp.py", """\
         import multiprocessing, os, pickle, sys
         class Point:
@@ -484,24 +484,24 @@ def test_multiprocessing_spawn_and_fork_work_from_a_warm_script(zygote, tmp_path
                 proc.join()
                 print(method, "exit", proc.exitcode)
         """)
-    w, c = both(zygote, "script", "mp.py", cwd=tmp_path)
+    w, c = both(interpreter, "script", "mp.py", cwd=tmp_path)
     assert (w.status, w.out, w.err) == (c.status, c.out, c.err)
     # A spawned child imports the script as __mp_main__ (plain python's too) and unpickles Point.
     assert b"spawn ('__mp_main__', 'Point', 42, " in w.out and b"fork ('__main__', 'Point', 42, " in w.out
 
 
-def test_setup_failure_starts_a_cold_python_that_fails_as_plain_python_does(zygote, tmp_path):
+def test_setup_failure_starts_a_cold_python_that_fails_as_plain_python_does(interpreter, tmp_path):
     env = {**RUN_ENV, "PYTHONIOENCODING": "no-such-codec"}
-    w, c = both(zygote, "code", "print('unreachable')", cwd=tmp_path, env=env)
+    w, c = both(interpreter, "code", "print('unreachable')", cwd=tmp_path, env=env)
     assert w.status == c.status == 1 and w.out == c.out == b""
     assert w.err.startswith(b"overmind: warm start failed (LookupError(")
     assert b"unknown encoding: no-such-codec" in c.err and b"unknown encoding: no-such-codec" in w.err
 
 
-def test_a_bad_spec_is_reported_on_the_runs_stderr(zygote, tmp_path):
+def test_a_bad_spec_is_reported_on_the_runs_stderr(interpreter, tmp_path):
     spec = {"mode": "script", "target": "x.py", "argv": "not a list", "cwd": str(tmp_path),
             "env": RUN_ENV, "umask": 0o022}
-    w = run(lambda fds: zygote.launch(spec, fds))
+    w = run(lambda fds: interpreter.launch(spec, fds))
     assert w.status == 1 and b"run spec field 'argv' must be list" in w.err
 
 
@@ -537,7 +537,7 @@ def test_installed_modules_keeps_stdlib_and_site_packages_but_no_user_code(tmp_p
     assert names.index("_pytest") < names.index("_pytest.python")  # import order
 
 
-def test_installed_modules_at_a_warm_runs_exit_never_lists_modules_beside_its_script(zygote, tmp_path):
+def test_installed_modules_at_a_warm_runs_exit_never_lists_modules_beside_its_script(interpreter, tmp_path):
     # The script's folder lies inside the "installed" prefix; the cwd is elsewhere; and by the
     # time atexit callbacks run, __main__.__file__ is gone (as in plain python).
     write(tmp_path / "prefix" / "scripts" / "helper.py", "")
@@ -547,7 +547,7 @@ def test_installed_modules_at_a_warm_runs_exit_never_lists_modules_beside_its_sc
         atexit.register(lambda: print(json.dumps(warm.installed_modules(prefixes=({str(tmp_path / "prefix")!r},)))))
         """)
     (tmp_path / "cwd").mkdir()
-    ran = warm_run(zygote, "script", str(tmp_path / "prefix" / "scripts" / "main.py"), cwd=tmp_path / "cwd")
+    ran = warm_run(interpreter, "script", str(tmp_path / "prefix" / "scripts" / "main.py"), cwd=tmp_path / "cwd")
     names = ran.facts()
     assert "helper" not in names and "json" not in names  # json: outside the given prefix
 

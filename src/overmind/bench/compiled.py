@@ -129,7 +129,7 @@ def run_scenario(pairs: int = 5, hang_runs: int = 0, say=print) -> dict:
             plain_env, run_env = base, {**base, "OVERMIND": "1"}
             _, expected = _timed([sys.executable, script], plain_env, folder)
             # A private server, fresh for each script, started by run 1 from the shell that exported
-            # TORCHINDUCTOR_CACHE_DIR, as a user's first run starts it (issue 37).
+            # TORCHINDUCTOR_CACHE_DIR, as a user's first run starts it.
             server = BenchServer.autostart(run_env)
             try:
                 env = server.env

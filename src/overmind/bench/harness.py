@@ -341,16 +341,16 @@ def _used_now() -> int:
     return info["MemTotal"] - info["MemAvailable"]
 
 
-def used_memory(settle: float = 10.0, interval: float = 0.2, window: int = 3, tolerance: int = 32 << 20) -> int:
+def used_memory(patience: float = 10.0, interval: float = 0.2, window: int = 3, tolerance: int = 32 << 20) -> int:
     """The machine's used memory: MemTotal - MemAvailable (what the kernel cannot reclaim;
-    shared memory counts, page cache does not), once it has settled.
+    shared memory counts, page cache does not), once it holds still.
 
     Freed memory reaches MemAvailable with a lag (seconds, on this VM, after processes let
     go of gigabytes), and on a shared machine other processes come and go: wait until
-    ``window`` readings ``interval`` apart agree within ``tolerance``, at most ``settle``
+    ``window`` readings ``interval`` apart agree within ``tolerance``, at most ``patience``
     seconds, and return their median."""
     readings = [_used_now()]
-    deadline = time.monotonic() + settle
+    deadline = time.monotonic() + patience
     while time.monotonic() < deadline:
         time.sleep(interval)
         readings.append(_used_now())

@@ -1,4 +1,4 @@
-"""The restart_restore scenario: how warm a fresh server is after a restart (issue 23).
+"""The restart_restore scenario: how warm a fresh server is after a restart.
 
     python -m overmind.bench.restart --scale base              # SD1.5 sizes and the 1 B LM
     python -m overmind.bench.restart --scale small --stop sigkill --json out.json
@@ -17,7 +17,7 @@ interpreter learn); then for each way of stopping (``overmind shutdown``, SIGKIL
   warm interpreters: each refill starts as a first miss would), timed the same way
   (target: restore <= cold fill x 1.2).
 
-Then *the seed's script during a restore* (``--contention-pairs N``, default 3; 0 skips it): a
+Then *the ControlNet script during a restore* (``--contention-pairs N``, default 3; 0 skips it): a
 server whose state holds the entries of both scripts over a copy of their models (5.7 GB at
 base scale: other files, so other entries) is started, and as soon as its refills run, the
 ControlNet script runs patched from the shell (its own models not cached: a first load);
@@ -177,7 +177,7 @@ def _until_refilling(server: BenchServer, timeout: float = 120.0) -> None:
 
 
 def client_during_restore(scale: str, pairs: int, say) -> dict:
-    """The seed's (ControlNet) script, patched, its models not cached, run at once beside a server
+    """The ControlNet script, patched, its models not cached, run at once beside a server
     that restores both scripts' entries over copies of the models, against beside one with
     nothing to restore, in alternating pairs."""
     paths = _models(scale)

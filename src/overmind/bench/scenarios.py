@@ -34,7 +34,7 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(
-        "controlnet", "the seed's workload: AutoencoderKL + 2 x ControlNetModel + "
+        "controlnet", "a ControlNet pipeline: AutoencoderKL + 2 x ControlNetModel + "
         "StableDiffusionControlNetPipeline(vae=vae, controlnet=[edge, depth]), fp16 safetensors",
         ("sd", "controlnet_a", "controlnet_b"), ("vae", "depth", "edge", "pipeline"),
         ("diffusers:AutoencoderKL", "diffusers:ControlNetModel", "diffusers:StableDiffusionControlNetPipeline"), 4),

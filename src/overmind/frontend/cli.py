@@ -446,7 +446,7 @@ def _not_connected(config: Config, args: argparse.Namespace, err: Exception) -> 
 
 def _print_huge_pages_alone(args: argparse.Namespace) -> None:
     """``status`` without a server: the huge-page report still holds (it is the kernel's), and
-    is what to settle before starting one. The exit status still says there is no server."""
+    is what to set up before starting one. The exit status still says there is no server."""
     hp = hugepages.read_status()
     print(json.dumps({"huge_pages": hp.as_dict()}, sort_keys=True) if args.json else "\n".join(_huge_page_lines(hp)))
 

@@ -94,11 +94,8 @@ class Server:
         self.connections = 0  # connection threads alive: Note [Every peer is bounded]
         self.peers: dict[str, int] = {}  # handshakes by the role the peer gave (one of PEER_ROLES, or "other")
         self.active_lock = threading.Lock()
-        self.refused = 0
-        self.busy_refusals = 0
+        self.refused = self.busy_refusals = self.socket_rebinds = self.runs = 0
         self.socket_id: Optional[tuple[int, int]] = None
-        self.socket_rebinds = 0
-        self.runs = 0
         self.history = ProgramHistory()  # Note [Prefetch] in overmind.client.prefetch
         self.loads = Loads(config, self.registry, self.pool, self.history)
         # Note [The state file] in overmind.server.state; Note [Restore after a restart] in overmind.server.restore
@@ -141,8 +138,7 @@ class Server:
         threading.Thread(target=self.state.run, args=(self.stopping,), daemon=True, name="overmind-state").start()
         threading.Thread(target=self.settler.run, daemon=True, name="overmind-settle").start()
         threading.Thread(target=self.guard.run, daemon=True, name="overmind-memory").start()
-        threading.Thread(target=self.pool.watch_notices, args=(self.stopping,), daemon=True,
-                         name="overmind-notices").start()
+        threading.Thread(target=self.pool.watch_notices, args=(self.stopping,), daemon=True, name="overmind-notices").start()
         self.restore.start(state)
 
     # Note [The server a first run starts prepares its interpreter]

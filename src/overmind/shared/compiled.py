@@ -12,7 +12,7 @@ mark a run reports when it made Inductor's CPU probes::
     runner = take(spec)                                 # a run forked from it (overmind.client.compiled)
 
 Note [AOTInductor packages are handed over]
-``aoti_load_package`` costs a fresh process about 2.8 s (issue 24): importing
+``aoti_load_package`` costs a fresh process about 2.8 s (measured on 2 cores): importing
 ``torch._inductor`` (1.3 s), the vector ISA probes (0.95 s: Note [Inductor's probes, made
 once] in overmind.warm.compiled), then unpacking the package into a temporary folder and
 ``dlopen``-ing its library (0.2 s). None of it depends on the run, so a warm interpreter

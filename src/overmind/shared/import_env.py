@@ -75,7 +75,7 @@ class Reads:
                 pass
             self.unbounded = why
 
-    def settle(self) -> None:
+    def close(self) -> None:
         """Names an iteration handed out and nobody looked at: what became of them is unknown."""
         for key in self.keys:
             if not _state(key).get("used"):
@@ -204,7 +204,7 @@ def recording(reads: Reads):
     finally:
         os.environ.__class__ = original
         _active = None
-        reads.settle()
+        reads.close()
 
 
 def _ours(name: str) -> bool:

@@ -56,7 +56,7 @@ Storages of 2 MiB or more start on 2 MiB offsets where that costs little (Note [
 storages on huge pages] in ``overmind.shared.segment_writer``).
 
 Why collapse after the fill rather than fill huge pages directly (a writable
-``MAP_SHARED`` ``MADV_HUGEPAGE`` mapping, unmapped before sealing: tried, issue 11):
+``MAP_SHARED`` ``MADV_HUGEPAGE`` mapping, unmapped before sealing: tried and measured):
 ``benchmarks/fill_rate.py``, the pack of overmind-bench's ``controlnet`` workload
 (3.58 GB), filled 1.9 GB/s by ``pwrite`` and 0.31 GB/s through a huge-page mapping
 under ``advise`` on this machine, a guest that reports free 2 MiB blocks back to its

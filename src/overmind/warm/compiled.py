@@ -70,8 +70,8 @@ Note [No thread pool before a fork]
 A fork copies only the calling thread. OpenMP's pool (torch's intra-op parallelism on CPU)
 and at::launch's inter-op pool are started by the first kernel large enough to run in
 parallel, and neither survives a fork: a child of a parent that ran a model once waits in its
-first parallel region for threads that do not exist, for ever (3 of 3 children hung in
-issue 24's test; ``OMP_NUM_THREADS=1`` in the parent avoided it). So a warm interpreter never
+first parallel region for threads that do not exist, for ever (3 of 3 children hung when
+tried; ``OMP_NUM_THREADS=1`` in the parent avoided it). So a warm interpreter never
 runs a kernel (it imports, primes probes and loads AOTInductor packages without calling them:
 overmind.warm.compiled), and before each fork the thread census (Note [Threads libraries start] in
 overmind.warm.fork_safety) finds any thread started since it was ready that no fork handler

@@ -12,7 +12,7 @@ libraries started, judged by evidence, and CUDA. Runs in the warm interpreter
 Note [Threads libraries start]
 A fork copies only the calling thread; a lock another thread held stays locked in the child
 for ever, and a pool the child believes it has is not there. Libraries start threads at
-import, and a venv that holds scipy, pandas or a CUDA torch starts several (issue 36: numpy
+import, and a venv that holds scipy, pandas or a CUDA torch starts several (numpy
 and scipy each load an OpenBLAS that starts its pool at load, one thread per CPU less one;
 pyarrow's jemalloc starts ``jemalloc_bg_thd``). Each is judged by evidence:
 - OpenBLAS's pool (pthreads build, what numpy's and scipy's wheels bundle) stops for a fork
@@ -58,7 +58,7 @@ import time
 
 from overmind.warm import devices
 
-__all__ = ["ThreadCensus", "Watch", "Refused", "thread_ids", "thread_names", "started_since", "settled_threads",
+__all__ = ["ThreadCensus", "Watch", "Refused", "thread_ids", "thread_names", "started_since", "own_threads",
            "stop_openblas_pools", "stop_pools", "cuda_note", "FORK_SAFE"]
 
 # Threads a library starts whose fork handling was read and tested (Note [Threads libraries start]).
@@ -160,7 +160,7 @@ def _strangers(before: frozenset[str] = frozenset()) -> frozenset[str]:
     return frozenset(t for t in thread_ids() - before if _judged(t) == "stranger")
 
 
-def settled_threads() -> frozenset[str]:
+def own_threads() -> frozenset[str]:
     """The threads that are no pool's, once OpenBLAS's pools are stopped: what a ready
     interpreter counts as its own (``ThreadCensus.take``). A pool's joined thread may stay listed
     a moment while it exits, so the threads are counted again until two counts 2 ms apart agree;
@@ -205,7 +205,7 @@ class ThreadCensus:
 
     def take(self) -> None:
         """When ready: what is running now, pools that stop for a fork stopped first, is its own."""
-        self.own = settled_threads()
+        self.own = own_threads()
 
     def strangers(self) -> frozenset[str]:
         """Threads started since :meth:`take` that a child forked now would miss."""
@@ -226,8 +226,8 @@ class ThreadCensus:
         if not strangers:
             return ""
         return (f"{len(strangers)} native thread(s) nobody vouches for ({', '.join(thread_names(strangers))}) "
-                "were started since it was ready; a child forked past them could hang (Note [Threads "
-                "libraries start] in overmind.warm.fork_safety)")
+                "were started since it was ready; a child forked past them could hang "
+                "(Note [Threads libraries start] in overmind.warm.fork_safety)")
 
     @contextlib.contextmanager
     def watching(self, refused: set[str], top: str):

@@ -120,7 +120,7 @@ class Holdings:
         self.reads = Reads()  # Note [Settings an import read] in overmind.shared.import_env
         self.told: tuple[set, set] = (set(), set())  # the names and prefixes the server has heard of
 
-    def settled(self, name: str) -> bool:
+    def known(self, name: str) -> bool:
         """Held, kept out, or failed here: never imported (again) by this interpreter."""
         return name in sys.modules or name in self.refused_modules or name in self.failed_modules
 
@@ -130,7 +130,7 @@ class Holdings:
         done = []
         self.tainted = False
         for name in names:
-            if self.settled(name):
+            if self.known(name):
                 continue
             self.reads.unbounded = ""
             failed, installed, before = None, False, set(sys.modules)
@@ -346,7 +346,7 @@ class WarmInterpreter:
     def _to_learn(self, names) -> None:
         self.compiles = self.compiles or INDUCTOR_USED in names  # the mark goes on as a name: overmind.shared.compiled
         new = [n for n in pytest_runs.learnable(names)  # Note [pytest rewrites what it imports]
-               if isinstance(n, str) and not self.held.settled(n) and n not in self.to_learn]
+               if isinstance(n, str) and not self.held.known(n) and n not in self.to_learn]
         if not self.unforkable:  # Note [A tainted interpreter says so at once]: its successor learns them
             self.to_learn.extend(new)
         self.held.learned.extend(n for n in new if n not in self.held.learned)
