@@ -31,8 +31,10 @@ dist.init_process_group("gloo")
 total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)
 rank = dist.get_rank()
-print(f"rank {rank}/{dist.get_world_size()} local {os.environ['LOCAL_RANK']} sum {total.item()}", flush=True)
-print(f"warm {rank} {in_warm_run()}", file=sys.stderr, flush=True)
+# One write per line: under torchrun's -u, print() writes the text and its newline apart, and two
+# ranks sharing a pipe interleave them (plain python's as much as ours).
+sys.stdout.write(f"rank {rank}/{dist.get_world_size()} local {os.environ['LOCAL_RANK']} sum {total.item()}\\n")
+sys.stderr.write(f"warm {rank} {in_warm_run()}\\n")
 dist.destroy_process_group()
 sys.exit(3 if rank == 0 else 0)
 '''

@@ -15,7 +15,7 @@ pytest does, so:
   pytest imports, stay out of every interpreter;
 - a pytest run (``-m pytest``, ``-m py.test``, a script named ``pytest`` or ``py.test``) is
   forked only from an interpreter that holds none of them. Where another installed module
-  imports one (huggingface_hub imports anyio), the run goes plain and the server's log says
+  imports one (transformers imports anyio), the run goes plain and the server's log says
   which: its loads are still warm, its imports are plain python's.
 The names are found as pytest finds them (each such distribution's top-level modules and
 packages, from its file list), once per interpreter: about 20 ms.
