@@ -231,7 +231,7 @@ def test_warm_up_curve_runs_each_mode_from_a_fresh_server_and_every_run_reads_pl
     curve = doc["warmup_curve"]
     assert (curve["rounds"], curve["plain_runs"], curve["modes"], curve["drop"]) == (1, 2, ["patched", "dropin", "run"], None)
     [lm] = curve["scripts"]
-    assert (lm["name"], lm["page_cache"], lm["status"], lm["plain"]["n"]) == ("lm", "warm", "ok", 4)
+    assert (lm["name"], lm["page_cache"], lm["status"], lm["plain"]["n"]) == ("lm", "warm", "ok", 6)  # 2 per mode
     for mode in lm["modes"]:
         runs = {r["run"]: r["runs"][0] for r in mode["runs"]}
         assert list(runs) == ["1", "2", "3", "4", "5", "restart"]
