@@ -46,6 +46,7 @@ __all__ = ["hand_off_script", "why_not"]
 
 _OVERMIND_IMPORTS = ("overmind", "overmind.api")
 IN_WARM = "already in a warm interpreter or a loader"
+SAY_WHY_TIMEOUT = 0.25  # seconds for the handshake that tells the server why a script runs here
 
 
 def _command() -> tuple[str, str, list[str], tuple[str, ...]] | None:
@@ -179,7 +180,8 @@ def _say_why(reason: str) -> None:
         from overmind.shared.connect import handshake
         from overmind.shared.contexts import caller_context
 
-        sock, _, _ = handshake(Config.from_env(), "run")
+        # A short bound: a stuck server must not hold up a script that runs here anyway.
+        sock, _, _ = handshake(Config.from_env(), "run", timeout=SAY_WHY_TIMEOUT)
         with sock:
             P.send_message(sock, P.Prepare(caller_context(), plain=reason))
     except Exception as err:  # noqa: BLE001 - a bonus for the log; the script goes on regardless
