@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Limit", "Stall", "HostMemory", "CgroupMount", "cgroup_mounts", "is_under", "mem_available", "ram_total",
+__all__ = ["Limit", "Stall", "HostMemory", "CgroupMount", "cgroup_mounts", "below_mount", "mem_available", "ram_total",
            "V1_UNLIMITED"]
 
 # v1 writes "no limit" as its page counter's maximum in bytes (9223372036854771712 with 4 KiB
@@ -176,11 +176,17 @@ def is_under(path: str, mount_root: str) -> bool:
     return ".." not in parts and parts[: len(base)] == base
 
 
+def below_mount(path: str, mount_root: str) -> Optional[list[str]]:
+    """A cgroup's directories below a mount whose root is ``mount_root``; None when that mount
+    cannot show it (a cgroup namespace's "/..", a foreign mount)."""
+    return _parts(path)[len(_parts(mount_root)):] if is_under(path, mount_root) else None
+
+
 def _relative(path: str, mount_root: str, point: str) -> list[str]:
     """Our cgroup's directories below the mount point; none when the mount cannot show us."""
-    if not is_under(path, mount_root):
-        return []  # e.g. a cgroup namespace's "/.." or a foreign mount: its point is all we see
-    rel = _parts(path)[len(_parts(mount_root)):]
+    rel = below_mount(path, mount_root)
+    if rel is None:
+        return []  # its point is all we see
     return rel if os.path.isdir(os.path.join(point, *rel)) else []
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import resource
 
-from overmind.shared.host_memory import cgroup_mounts, is_under
+from overmind.shared.host_memory import below_mount, cgroup_mounts
 from overmind.shared.traits import RLIMITS, Traits, differences
 from overmind.warm.oom import CannotMatch
 
@@ -83,9 +83,9 @@ def cgroup_procs_file(line: str, root: str = "/") -> str | None:
                 continue
         elif mount.fstype != "cgroup" or not wanted <= set(mount.superopts):
             continue
-        if not is_under(path, mount.root):
+        parts = below_mount(path, mount.root)
+        if parts is None:
             continue
-        parts = [p for p in path.split("/") if p][len([p for p in mount.root.split("/") if p]):]
         folder = os.path.join(root, mount.point.lstrip("/"), *parts)
         if os.path.isdir(folder):
             return os.path.join(folder, "cgroup.procs")
