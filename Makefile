@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py csrc/overmind.cpp
 	$(PIP) install -q "setuptools>=64" wheel ninja
 	$(PIP) install -q --no-build-isolation -e ".[hf,test]"
 	$(PY) -m compileall -q src/overmind  # what pip does for a wheel: a shell with PYTHONDONTWRITEBYTECODE=1 would compile them in every process
-	$(PY) -c "import torch, overmind.shared.native as n; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert n.HAVE_EXTENSION"
+	$(PY) -c "import torch, overmind.shared.segments.native as n; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert n.HAVE_EXTENSION"
 	touch $(STAMP)
 
 # The main job: overmind-bench --quick, plain vs cold vs warm loads, memory and start-up of

@@ -5,7 +5,7 @@
 1. ``UNet2DConditionModel.from_pretrained`` in fresh processes (page cache warm)
    against rebuilding the same model from a sealed segment in fresh processes.
    Both sides import ``UNet2DConditionModel`` before the clock starts.
-2. Writing the UNet into a new sealed segment (``overmind.shared.reductions.pack``)
+2. Writing the UNet into a new sealed segment (``overmind.shared.segments.reductions.pack``)
    against ``torch.empty`` + ``copy_`` of the same storages into fresh memory, both
    in one fresh process per run (order alternated).
 """
@@ -38,9 +38,9 @@ print(json.dumps({{"seconds": time.perf_counter() - t}}))
 REBUILD = """
 import json, time, ctypes, torch, psutil
 from diffusers import UNet2DConditionModel
-from overmind.shared.memfd import Segment
-from overmind.shared.reductions import unpack
-from overmind.shared.native import HAVE_EXTENSION
+from overmind.shared.segments.memfd import Segment
+from overmind.shared.segments.reductions import unpack
+from overmind.shared.segments.native import HAVE_EXTENSION
 skeleton = open({skeleton!r}, "rb").read()
 rss0 = psutil.Process().memory_info().rss
 t = time.perf_counter()
@@ -67,7 +67,7 @@ def ensure_unet() -> Path:
 FILL = """
 import gc, json, time, torch
 from diffusers import UNet2DConditionModel
-from overmind.shared.reductions import pack
+from overmind.shared.segments.reductions import pack
 model = UNet2DConditionModel.from_pretrained({path!r}, torch_dtype=torch.float16)
 seen, storages = set(), []
 for t in model.state_dict().values():
@@ -110,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from diffusers import UNet2DConditionModel
-    from overmind.shared.reductions import pack
+    from overmind.shared.segments.reductions import pack
 
     path = ensure_unet()
     warm_page_cache(path)

@@ -1,6 +1,6 @@
 """What leaving costs a process that holds the ControlNet script's models: from its last line to
 the process reaped, plain python against the drop-in's exit (Note [The drop-in leaves quickly]
-in overmind.shared.teardown) and ``os._exit``, interleaved, page cache warm. A component figure:
+in overmind.shared.process.teardown) and ``os._exit``, interleaved, page cache warm. A component figure:
 the whole run is in ``overmind-bench``'s warm-up curve.
 
     python benchmarks/exit_cost.py [--rounds 3]
@@ -31,7 +31,7 @@ parts = {}
 if mode == "drop-in":
     import overmind.api
     overmind.api.monkey_patch_all()
-    from overmind.shared import teardown
+    from overmind.shared.process import teardown
 
     def timed_flush(flush=teardown.flush_left_open):
         started = time.monotonic()

@@ -1,4 +1,4 @@
-"""How fast a cold load fills the cache: ``overmind.shared.reductions.pack`` of the controlnet workload.
+"""How fast a cold load fills the cache: ``overmind.shared.segments.reductions.pack`` of the controlnet workload.
 
     python benchmarks/fill_rate.py [--runs 3] [--settings never,advise] [--before SRC_DIR]
                                    [--pause SECONDS] [--cache-dir ~/.cache/overmind-bench]
@@ -37,8 +37,8 @@ from overmind.bench import shmem
 CHILD = r"""
 import json, sys, time, torch
 from diffusers import AutoencoderKL, ControlNetModel, StableDiffusionControlNetPipeline
-import overmind.shared.reductions as R
-import overmind.shared.memfd as M
+import overmind.shared.segments.reductions as R
+import overmind.shared.segments.memfd as M
 root = sys.argv[1]
 f16 = torch.float16
 vae = AutoencoderKL.from_pretrained(root + "/sd-fp16", subfolder="vae", torch_dtype=f16)

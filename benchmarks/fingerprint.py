@@ -2,7 +2,7 @@
 
     python benchmarks/fingerprint.py       # one JSON document on stdout, PASS or FAIL on stderr
 
-Client side: ``overmind.shared.calls.fingerprint_paths`` (walk + stat of the folder the call
+Client side: ``overmind.shared.calls.keys.fingerprint_paths`` (walk + stat of the folder the call
 names, part of every key). Server side: ``files_unchanged``, what ``CacheEntry.fresh`` asks
 (stat of every file the loader observed). Medians of 200 runs each, page cache and dentry cache warm.
 """
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from overmind.server.registry import files_unchanged
-from overmind.shared.calls import CTIME_RACY_SECONDS, file_fingerprint, fingerprint_paths
+from overmind.shared.calls.keys import CTIME_RACY_SECONDS, file_fingerprint, fingerprint_paths
 
 
 def main(argv: list[str] | None = None) -> int:

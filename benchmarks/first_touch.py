@@ -20,11 +20,11 @@ import subprocess
 import sys
 import time
 
-from overmind.shared.memfd import Segment
+from overmind.shared.segments.memfd import Segment
 
 CHILD = r"""
 import resource, sys, time, torch
-from overmind.shared.memfd import Segment
+from overmind.shared.segments.memfd import Segment
 segment = Segment.from_fd(int(sys.argv[1]), int(sys.argv[2]))
 pages = torch.frombuffer(segment.map_private(), dtype=torch.uint8)[::4096]
 torch.set_num_threads(1)

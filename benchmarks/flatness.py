@@ -8,7 +8,7 @@ A private overmind-server caches both; then each is loaded warm in ``--runs`` fr
 processes (libraries imported before the clock starts), alternating between the two so
 that both see the same machine noise, and the medians are compared.
 A warm load maps the segments and builds one tensor per table entry without touching
-the bytes (Note [One mapping per load] in overmind.shared.reductions), so it should not grow
+the bytes (Note [One mapping per load] in overmind.shared.segments.reductions), so it should not grow
 with the bytes.
 """
 

@@ -252,7 +252,7 @@ except Exception as err:  # noqa: BLE001
     info["torch_error"] = f"{type(err).__name__}: {err}"
 try:
     import overmind
-    import overmind.shared.native as native
+    import overmind.shared.segments.native as native
     info["overmind"] = os.path.dirname(overmind.__file__)
     info["overmind_extension"] = bool(native.HAVE_EXTENSION)
 except Exception as err:  # noqa: BLE001

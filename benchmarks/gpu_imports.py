@@ -39,7 +39,7 @@ import time
 STEPS = (
     "torch",
     # what overmind.warm.interpreter imports right after torch, when overmind is installed
-    "overmind.shared.quirks", "overmind.shared.reductions", "overmind.warm.script",
+    "overmind.shared.segments.quirks", "overmind.shared.segments.reductions", "overmind.warm.script",
     "safetensors.torch",
     "diffusers",
     "diffusers.utils.torch_utils",

@@ -160,7 +160,7 @@ def _model(cache_dir: Path, scale: str, loaders: list, say) -> tuple:
             tmp = path.with_suffix(".tmp")
             save_file(state, str(tmp))
             os.rename(tmp, path)
-        stamp = time.time() - 60  # Note [Racy files] in overmind.shared.calls
+        stamp = time.time() - 60  # Note [Racy files] in overmind.shared.calls.keys
         os.utime(path, (stamp, stamp))
         return {"safetensors": str(path)}, ["safetensors"], "synthetic file: diffusers is not importable"
     from overmind.bench.models import ensure_models

@@ -35,7 +35,7 @@ pass inherit it.
 
 Note [Aged saves] in ``hf_suites_plugin``: by default (``--age 60``) what a test saves is dated 60 s
 back, in every pass, so that loads of just-saved folders reach the cache instead of being refused as
-racy (Note [Racy files] in overmind.shared.calls); ``--age 0`` runs the tests as they are.
+racy (Note [Racy files] in overmind.shared.calls.keys); ``--age 0`` runs the tests as they are.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class PrivateServer:
     def counters(self) -> Optional[dict]:
         from overmind.shared import protocol as P
         from overmind.client.connection import LoadingConnection
-        from overmind.shared.config import Config
+        from overmind.shared.settings.config import Config
 
         try:
             with LoadingConnection.open(Config.from_env(self.env), autostart=False) as conn:

@@ -91,7 +91,7 @@ def _server_counters() -> Optional[dict]:
     try:
         from overmind.shared import protocol as P
         from overmind.client.connection import LoadingConnection
-        from overmind.shared.config import Config
+        from overmind.shared.settings.config import Config
 
         conn = LoadingConnection.open(Config.from_env(), autostart=False)
         try:
@@ -106,7 +106,7 @@ def _server_counters() -> Optional[dict]:
 # -- Note [Aged saves] -------------------------------------------------------------------------
 # Upstream tests save_pretrained into a fresh temporary folder and load it at once, so nearly
 # every load finds files modified less than RACY_SECONDS ago and goes to the original uncached
-# (Note [Racy files] in overmind.shared.calls). To make those loads reach the cache, the harness can
+# (Note [Racy files] in overmind.shared.calls.keys). To make those loads reach the cache, the harness can
 # move the times of what a test just saved into the past. Each save gets its own time (now - S,
 # in ns), so two saves of one folder still differ, as they would after 2 s of real waiting.
 

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/seeded_loads.py [--model PATH] [--runs 5]
 
 The new head is drawn from the caller's seed (Note [Loads that draw random numbers] in
-overmind.shared.callstate), so such a load is filed by the generator state it started from. This
+overmind.shared.calls.callstate), so such a load is filed by the generator state it started from. This
 measures what that choice costs and saves against the alternative, never caching such loads
 (which is what plain python does), in fresh processes, modes interleaved, from process start:
 

@@ -3,7 +3,7 @@
     python benchmarks/segment_fill.py [--gb 1.0] [--runs 5] [--settings never,advise]
 
 Copies the same already-touched source into new memfds by: ``pwrite``; ``pwrite`` from two
-threads into two memfds (how a pack fills: Note [Parallel fill] in overmind.shared.segment_writer);
+threads into two memfds (how a pack fills: Note [Parallel fill] in overmind.shared.segments.writer);
 a ``MAP_SHARED`` mapping asked for huge pages (``madvise(MADV_HUGEPAGE)``) and ``memmove``, from
 one and from two threads; the same mapping populated with ``MADV_POPULATE_WRITE`` and then
 ``pwrite``; ``ftruncate`` + plain mapping + ``memmove``; and ``torch.empty`` + ``copy_`` into
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from overmind.shared.memfd import buffer_at
+from overmind.shared.segments.memfd import buffer_at
 
 # Note [Fresh memory for every method]
 # Where the machine is a VM that hands freed memory back to its host (free page reporting,

@@ -199,7 +199,7 @@ def main() -> int:
         from overmind.bench.harness import BenchServer
         from overmind.shared import protocol as P
         from overmind.client.connection import LoadingConnection
-        from overmind.shared.config import Config
+        from overmind.shared.settings.config import Config
 
         hf_logging.disable_progress_bar()
         torch.set_num_threads(1)

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def age_files(*paths, seconds: float = 30.0) -> None:
-    """Backdate files so they are not 'racy' (overmind.shared.calls Note [Racy files]): tests save a
+    """Backdate files so they are not 'racy' (overmind.shared.calls.keys Note [Racy files]): tests save a
     model and load it within the same second, which overmind rightly refuses to cache."""
     import time
 

@@ -12,18 +12,18 @@ or, without patching, ``overmind.api.load(UNet2DConditionModel.from_pretrained, 
 when the user's own code imports its module. ``unpatch_all()`` restores everything.
 Environment: ``OVERMIND_DISABLE=1`` (patch nothing), ``OVERMIND_STRICT=1`` (raise
 instead of falling back to a plain load), ``OVERMIND_TIMEOUT`` (seconds),
-``OVERMIND_PATCH`` (extra ``module::Qualname.attr`` points); see ``overmind.shared.config``.
+``OVERMIND_PATCH`` (extra ``module::Qualname.attr`` points); see ``overmind.shared.settings.config``.
 
 Note [Never worse than no cache]
 If anything on the cache path fails (no server, a timeout, a garbled reply, a result
 that cannot be cached), the original load function runs in the calling process and one warning
 per process says why. If patching itself fails, ``monkey_patch_all()`` undoes it, warns
 and returns: the script runs as plain python. A call whose arguments cannot be keyed
-(``overmind.shared.calls``) goes straight to the original without a warning, and so does
+(``overmind.shared.calls.keys``) goes straight to the original without a warning, and so does
 one whose original raised in the loader: it most likely raises here as well, and the plain
 call would warn nothing. So does one whose result cannot be rebuilt from the cache, even
 under ``OVERMIND_STRICT=1``: plain python loads it fine (Note [Results that cannot be rebuilt]
-in overmind.shared.quirks).
+in overmind.shared.segments.quirks).
 """
 
 from __future__ import annotations
@@ -68,12 +68,12 @@ DEFAULT_PATCH_POINTS = (
     "torch._export::aot_load",
 )
 CONFIG_FILE = "overmind.cfg"
-_AOTI_POINTS = DEFAULT_PATCH_POINTS[-2:]  # overmind.shared.compiled.POINTS, without importing it at start-up
+_AOTI_POINTS = DEFAULT_PATCH_POINTS[-2:]  # overmind.shared.calls.compiled.POINTS, without importing it at start-up
 
 
 def load(fn: Callable, *args, **kwargs) -> Any:
     """Call ``fn(*args, **kwargs)`` through the cache (``fn`` must be importable by name)."""
-    from overmind.shared.calls import Target, Uncacheable
+    from overmind.shared.calls.keys import Target, Uncacheable
 
     fn = patching.get_original(*_point_of(fn)) if _is_wrapper(fn) else fn
     try:
@@ -104,10 +104,10 @@ def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod
     if not _warmed and "torch" in sys.modules and _prestart_enabled():
         # torch just became importable: overlap our torch-side imports with the script's.
         _warmed = True
-        from overmind.shared import teardown
+        from overmind.shared.process import teardown
 
         teardown.start_thread(_warm_up, "overmind-warm-up")  # Note [Our threads end before the teardown]
-    if str(point) in _AOTI_POINTS:  # Note [AOTInductor packages are handed over] in overmind.shared.compiled
+    if str(point) in _AOTI_POINTS:  # Note [AOTInductor packages are handed over] in overmind.shared.calls.compiled
         @functools.wraps(original)
         def aoti_wrapper(*args, **kwargs):
             from overmind.client.compiled import call
@@ -121,7 +121,7 @@ def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod
         @functools.wraps(original)
         def classmethod_wrapper(cls, *args, **kwargs):
             from overmind.client.cache import load_target
-            from overmind.shared.calls import Target
+            from overmind.shared.calls.keys import Target
 
             bound = original.__get__(cls, cls) if hasattr(original, "__get__") else functools.partial(original, cls)
             return load_target(Target("class", cls, attr, bound), args, kwargs)
@@ -132,7 +132,7 @@ def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod
     @functools.wraps(original)
     def function_wrapper(*args, **kwargs):
         from overmind.client.cache import load_target
-        from overmind.shared.calls import Target
+        from overmind.shared.calls.keys import Target
 
         return load_target(Target("module", point.module, point.qualname, original), args, kwargs)
 
@@ -160,7 +160,7 @@ def _config_file_points(start: str) -> list[patching.PatchPoint]:
 
 
 def _prestart_enabled() -> bool:
-    from overmind.shared.config import prestart_enabled
+    from overmind.shared.settings.config import prestart_enabled
 
     return prestart_enabled()
 
@@ -170,8 +170,8 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
     Idempotent; imports none of the patched libraries (see the module docstring).
     """
-    from overmind.shared.config import (extra_patch_points, flag, patching_disabled, prestart_enabled,
-                                        quick_exit_enabled, warm_start_enabled)
+    from overmind.shared.settings.config import (flag, patching_disabled, prestart_enabled, quick_exit_enabled,
+                                                 warm_start_enabled)
 
     if patching_disabled():
         return
@@ -183,7 +183,7 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
     start = os.path.dirname(os.path.realpath(caller_file)) if caller_file else os.getcwd()
     points = [patching.PatchPoint.parse(p) for p in DEFAULT_PATCH_POINTS]
     points += _config_file_points(start)
-    extra_env = extra_patch_points()
+    extra_env = patching.env_patch_points()
     points += patching.parse_patch_specs(extra_env) if extra_env.strip() else []
     points += [patching.PatchPoint.parse(p) for p in extra]
     try:
@@ -197,7 +197,7 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
         warnings.warn(f"overmind: patching the loaders failed ({type(err).__name__}: {err}); running without "
                       "the cache", RuntimeWarning, stacklevel=2)
         return
-    from overmind.shared import teardown
+    from overmind.shared.process import teardown
 
     if quick_exit_enabled():
         teardown.leave_quickly()  # Note [The drop-in leaves quickly]
@@ -212,9 +212,9 @@ def _prepare() -> None:
         from overmind.client import cache
         from overmind.client.connection import LoadingConnection
         from overmind.shared import protocol as P
-        from overmind.shared import teardown
-        from overmind.shared.config import Config
-        from overmind.shared.contexts import caller_context, in_warm_run
+        from overmind.shared.process import teardown
+        from overmind.shared.settings.config import Config
+        from overmind.shared.protocol.contexts import caller_context, in_warm_run
 
         if teardown.exiting():  # the script left while we imported (`--help`): nothing to prepare for
             return
@@ -237,10 +237,11 @@ def _prepare() -> None:
 def _warm_up() -> None:
     """Background, once torch is imported: import what the first load needs (~8 ms of it)."""
     try:
-        from overmind.shared import calls, reductions  # noqa: F401
+        from overmind.shared.calls import keys
+        from overmind.shared.segments import reductions  # noqa: F401
         from overmind.client import connection as client
 
-        calls.library_versions()
+        keys.library_versions()
         import xxhash  # noqa: F401
     except Exception as err:  # the first load imports them itself
         logger.debug("warm-up failed: %s", err)

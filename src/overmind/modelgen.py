@@ -259,7 +259,7 @@ def save_sd_pipeline(path, size: str = "tiny", dtype: torch.dtype = torch.float3
 
 def age_files(*paths, seconds: float = 60.0) -> None:
     """Backdate the files under ``paths``: overmind does not cache files modified in the last
-    2 s (overmind.shared.calls Note [Racy files]), and a model used right after it was saved is one."""
+    2 s (overmind.shared.calls.keys Note [Racy files]), and a model used right after it was saved is one."""
     import time
 
     stamp = time.time() - seconds

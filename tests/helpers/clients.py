@@ -74,7 +74,7 @@ def run_client(code: str, env: dict, *args: str, timeout: float = 180) -> dict:
 
 def backdate(root: Path, seconds: float = 60.0) -> Path:
     """Age a tree the test just wrote: files modified in the last moments are not cached
-    (Note [Racy files] in overmind.shared.calls)."""
+    (Note [Racy files] in overmind.shared.calls.keys)."""
     when = time.time() - seconds
     for path in [*root.rglob("*"), root]:
         os.utime(path, (when, when))

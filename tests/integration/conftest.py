@@ -24,7 +24,7 @@ LEFT_TO_PAGE_CACHE = {"OVERMIND_KEEP_FILE_PAGES": "0"}
 def lose_from_page_cache(path: Path) -> None:
     """Evict ``path`` from the page cache, as another workload's memory needs do, and check it
     is lost (``cachestat``); skip where the kernel cannot tell (Linux < 6.5)."""
-    from overmind.shared.memfd import RESIDENT, cached_share
+    from overmind.shared.segments.memfd import RESIDENT, cached_share
 
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -73,7 +73,7 @@ class ServerProcess:
     def status(self) -> dict:
         from overmind.shared import protocol as P
         from overmind.client.connection import LoadingConnection
-        from overmind.shared.config import Config
+        from overmind.shared.settings.config import Config
 
         with LoadingConnection.open(Config.from_env(self.env), role="cli", autostart=False) as conn:
             return conn.simple(P.Status(), P.StatusReply).info

@@ -3,7 +3,7 @@
 peft does ``from safetensors.torch import load_file as safe_load_file`` when it is imported. Under
 plain python that import follows the patch, so peft binds the wrapper; a warm interpreter that
 learned peft imported it before the run's patch, so the name held the original and adapter loads
-missed the cache (Note [Names bound before patching] in overmind.shared.bound_names). Real server, a real
+missed the cache (Note [Names bound before patching] in overmind.shared.patching.bound_names). Real server, a real
 LoRA adapter made with peft for the session's small LM, real ``overmind run``.
 """
 

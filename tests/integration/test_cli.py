@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from overmind.shared import hugepages
+from overmind.shared.segments import hugepages
 
 from ..conftest import REPO, age_files, build_shared_library, child_env
 from .conftest import ServerProcess

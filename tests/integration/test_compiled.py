@@ -48,9 +48,9 @@ AOTI = MODEL + """
 import json, sys
 import overmind.api
 overmind.api.monkey_patch_all()
-import overmind.shared.compiled
+import overmind.shared.calls.compiled
 runner = torch._inductor.aoti_load_package(sys.argv[1])
-handed = bool(overmind.shared.compiled._handed)
+handed = bool(overmind.shared.calls.compiled._handed)
 with torch.no_grad():
     print(json.dumps({"handed": handed, "out": runner(example).tolist(), "type": type(runner).__name__}))
 """

@@ -1,6 +1,6 @@
 """Stored once: identical contents share one segment region across entries.
 
-Note [Stored once by content] in overmind.shared.reductions; Note [Content index] in overmind.server.registry.
+Note [Stored once by content] in overmind.shared.segments.reductions; Note [Content index] in overmind.server.registry.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import textwrap
 from ..conftest import age_files
 from .conftest import last_json
 
-BIG = 64 << 10  # overmind.shared.reductions.DEDUP_MIN_BYTES: smaller storages are always copied
+BIG = 64 << 10  # overmind.shared.segments.reductions.DEDUP_MIN_BYTES: smaller storages are always copied
 
 
 def _entries(server) -> dict[str, dict]:

@@ -1,5 +1,5 @@
 """Our background threads end before the interpreter's teardown: Note [Our threads end before the
-teardown] in overmind.shared.teardown.
+teardown] in overmind.shared.process.teardown.
 
 A real python process with a real server. The script runs what the exit runs before the teardown
 (``atexit._run_exitfuncs()``), looks at which threads are still alive, and leaves with
@@ -57,7 +57,7 @@ def test_a_script_that_leaves_right_after_monkey_patch_all_does_not_wait_out_the
     """`python train.py --help` with the drop-in on top: the script leaves while the prepare thread
     still imports; the event it registers after the exit's wake pass is set at once, so the exit
     waits for those imports only, not all of JOIN_FOR while the thread waits on that event."""
-    from overmind.shared import teardown
+    from overmind.shared.process import teardown
 
     script = tmp_path / "bare.py"
     script.write_text(LOOK_AT_EXIT.format(before="import overmind.api\novermind.api.monkey_patch_all()"))
@@ -74,7 +74,7 @@ def test_an_event_registered_after_the_exit_began_is_set_at_once(tmp_path):
     after the exit's wake pass (it was still importing) is woken all the same."""
     script = tmp_path / "late.py"
     script.write_text(LOOK_AT_EXIT.format(before="""
-from overmind.shared import teardown
+from overmind.shared.process import teardown
 
 def late():
     while not teardown.exiting():

@@ -91,7 +91,7 @@ def _no_server_env(runtime_dir: Path, **extra: str) -> dict:
 def _status(runtime_dir: Path, idle: bool = True) -> dict:
     """The server's status; with ``idle``, once no load is in flight (cold loads finish behind callers)."""
     from overmind.client.connection import LoadingConnection
-    from overmind.shared.config import Config
+    from overmind.shared.settings.config import Config
 
     config = Config.from_env(child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir)))
     deadline = time.monotonic() + 120

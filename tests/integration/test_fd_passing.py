@@ -15,9 +15,9 @@ overmind.api.monkey_patch_all()
 import safetensors.torch
 from overmind.client import connection as client
 from overmind.shared import protocol as P
-from overmind.shared.calls import Target, encode_call
-from overmind.shared.config import Config
-from overmind.shared.reductions import unpack
+from overmind.shared.calls.keys import Target, encode_call
+from overmind.shared.settings.config import Config
+from overmind.shared.segments.reductions import unpack
 
 safetensors.torch.load_file({path!r})  # strict + wait: the entry exists afterwards
 config = Config.from_env()

@@ -1,5 +1,5 @@
 """File-backed segments: a hit maps the model file's own pages until the server settles them
-into sealed memory (Notes [File-backed segments] in overmind.shared.memfd and [Settling file
+into sealed memory (Notes [File-backed segments] in overmind.shared.segments.memfd and [Settling file
 segments] in overmind.server.settle)."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_an_idle_server_settles_file_segments_into_sealed_memory(runtime_dir, mo
 def test_a_file_segments_pages_stay_when_the_page_cache_is_dropped(runtime_dir, models):
     """Note [File segments stay mapped]: the server keeps them mapped, so a drop (here of the one
     file, as /proc/sys/vm/drop_caches does of all) leaves them, and nothing needs copying."""
-    from overmind.shared.memfd import cached_share
+    from overmind.shared.segments.memfd import cached_share
 
     path = models["lm"] / "model.safetensors"
     with _filled(runtime_dir, models, "600") as (server, code, _):

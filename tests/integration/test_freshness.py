@@ -16,7 +16,7 @@ RESAVE_AND_LOAD = """
 import hashlib, json, os, time
 import torch
 import overmind.api
-from overmind.shared.calls import CTIME_RACY_SECONDS
+from overmind.shared.calls.keys import CTIME_RACY_SECONDS
 overmind.api.monkey_patch_all()
 import safetensors.torch
 stale = []
@@ -24,7 +24,7 @@ for version in range({versions}):
     weights = torch.randn(64, 64, generator=torch.Generator().manual_seed(version))
     safetensors.torch.save_file({{"w": weights}}, {path!r})
     # A distinct mtime in the past, and a ctime older than CTIME_RACY_SECONDS: not 'racy'
-    # (overmind.shared.calls Note [Racy files]), as a real save a while ago would be; the mtime
+    # (overmind.shared.calls.keys Note [Racy files]), as a real save a while ago would be; the mtime
     # never equals an earlier version's.
     stamp = time.time() - 1000 + version
     os.utime({path!r}, (stamp, stamp))

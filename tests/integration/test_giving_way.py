@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from overmind.shared.host_memory import mem_available
+from overmind.shared.settings.host_memory import mem_available
 
 from .conftest import LOAD_AND_LOOK, ServerProcess, last_json
 

@@ -1,6 +1,6 @@
 """Huge pages for segments: copy-on-write, seals and layout hold with them.
 
-Note [Huge pages for segments] in overmind.shared.memfd. Tests never change the machine's
+Note [Huge pages for segments] in overmind.shared.segments.memfd. Tests never change the machine's
 ``shmem_enabled``: where it gives no huge pages (``never``, the default here) the huge-page
 specifics are skipped and what is checked is that they were asked for (``hg`` in the
 mapping's VmFlags) and changed nothing else. Where it is ``advise`` (or another value that
@@ -20,8 +20,8 @@ import textwrap
 
 import pytest
 
-from overmind.shared.hugepages import read_setting
-from overmind.shared.memfd import HUGE_PAGE, SEAL_ALL, Segment, huge_pages_possible
+from overmind.shared.segments.hugepages import read_setting
+from overmind.shared.segments.memfd import HUGE_PAGE, SEAL_ALL, Segment, huge_pages_possible
 
 from .conftest import last_json
 
@@ -176,7 +176,7 @@ def test_a_later_load_in_another_process_sees_the_original_bytes_after_an_edit(b
         edited[0:4] = b"EDIT"
         out = python(f"""
             import hashlib
-            from overmind.shared.memfd import Segment
+            from overmind.shared.segments.memfd import Segment
             seg = Segment.open_proc({os.getpid()}, {seg.fd}, {seg.size})
             m = seg.map_private()
             print(hashlib.sha256(m[0:{len(written[0])}]).hexdigest())

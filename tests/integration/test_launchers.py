@@ -26,7 +26,7 @@ ONE_LINE = "import overmind.api\novermind.api.monkey_patch_all()\n"
 RANKS = ONE_LINE + '''import os, sys
 import torch
 import torch.distributed as dist
-from overmind.shared.contexts import in_warm_run
+from overmind.shared.protocol.contexts import in_warm_run
 dist.init_process_group("gloo")
 total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)
@@ -48,7 +48,7 @@ def square(x):
 
 
 if __name__ == "__main__":
-    from overmind.shared.contexts import in_warm_run
+    from overmind.shared.protocol.contexts import in_warm_run
     import torch  # what the script's loads would import; the workers inherit it (fork) or import it (spawn)
     for method in ("spawn", "fork"):
         with mp.get_context(method).Pool(2) as pool:
@@ -102,7 +102,7 @@ def test_torchrun_ranks_are_each_forked_warm_from_run_2_with_plains_output_and_s
 
 @pytest.mark.skipif(not (BIN / "accelerate").exists(), reason="accelerate is not installed")
 def test_accelerate_launch_is_warm_from_run_2_with_plains_output_and_status(fresh_server, tmp_path):
-    (tmp_path / "train.py").write_text(ONE_LINE + "import sys\nfrom overmind.shared.contexts import in_warm_run\n"
+    (tmp_path / "train.py").write_text(ONE_LINE + "import sys\nfrom overmind.shared.protocol.contexts import in_warm_run\n"
                                        "import torch\nprint('sum', torch.arange(4).sum().item())\n"
                                        "print('warm', in_warm_run(), file=sys.stderr)\nsys.exit(4)\n")
     argv = [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",

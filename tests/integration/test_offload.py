@@ -4,7 +4,7 @@
 hooks that read them from the checkpoint or an offload folder on every forward pass. Nothing
 of that survives a trip through shared memory, so the loader says so, the server remembers
 the key as not cacheable, and every caller loads plainly and silently, as plain python would
-(Note [Results that cannot be rebuilt] in overmind.shared.quirks).
+(Note [Results that cannot be rebuilt] in overmind.shared.segments.quirks).
 """
 
 from __future__ import annotations

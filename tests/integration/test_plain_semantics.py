@@ -4,7 +4,7 @@ One script holds every case and runs in fresh processes: plainly (OVERMIND_DISAB
 patched to fill the cache (twice), and patched again to hit. It prints what the caller can observe (weights,
 exceptions, warnings, log records, the generators' next draws) and whether its result was
 served from the cache; the hit must print exactly what the plain run printed.
-Note [Process-global state of a load] in overmind.shared.callstate.
+Note [Process-global state of a load] in overmind.shared.calls.callstate.
 """
 
 from __future__ import annotations

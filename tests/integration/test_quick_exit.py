@@ -1,4 +1,4 @@
-"""The drop-in leaves quickly and loses nothing: Note [The drop-in leaves quickly] in overmind.shared.teardown.
+"""The drop-in leaves quickly and loses nothing: Note [The drop-in leaves quickly] in overmind.shared.process.teardown.
 
 A real python process: ``monkey_patch_all()``, a file left open and unflushed in a reference
 cycle (only the collector would free it), a garbage cycle with a finalizer, atexit callbacks

@@ -32,10 +32,10 @@ import json, os, sys
 import torch
 from transformers import LlamaForCausalLM
 from overmind.shared import protocol as P
-from overmind.shared.contexts import caller_context
-from overmind.shared.calls import Target, encode_call
+from overmind.shared.protocol.contexts import caller_context
+from overmind.shared.calls.keys import Target, encode_call
 from overmind.client.connection import LoadingConnection, SegmentChanged, _slot_handles
-from overmind.shared.config import Config
+from overmind.shared.settings.config import Config
 
 path_a, path_b, rounds, via = ARGS
 config = Config.from_env()
@@ -81,7 +81,7 @@ with LoadingConnection.open(config) as conn, LoadingConnection.open(config, role
         except SegmentChanged as err:
             results.append({"outcome": "refused", "same_numbers": same_numbers, "why": str(err)})
             continue
-        from overmind.shared.reductions import unpack
+        from overmind.shared.segments.reductions import unpack
         got = weights(unpack(skeleton, mappings))
         results.append({"outcome": "a" if got == plain["a"] else "b" if got == plain["b"] else "garbage",
                         "same_numbers": same_numbers})

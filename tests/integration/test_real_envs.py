@@ -86,7 +86,7 @@ def test_a_fork_past_openblas_and_jemalloc_computes_in_the_child(many_cpus):
 def nvml_reader():
     """An installed module that reads PYTORCH_NVML_BASED_CUDA_CHECK at import, as torch's CUDA check
     does on a CUDA build: the warm interpreter sets it for its own imports, and a run whose value
-    differs must still be forked (overmind.shared.import_env.INTERPRETERS_OWN)."""
+    differs must still be forked (overmind.shared.settings.import_env.INTERPRETERS_OWN)."""
     name = f"overmind_test_nvml_reader_{os.getpid()}"
     path = Path(sysconfig.get_paths()["purelib"]) / f"{name}.py"
     path.write_text("import os\nos.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')\n")

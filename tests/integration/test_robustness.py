@@ -58,7 +58,7 @@ def plain_lm(models) -> float:
 @pytest.mark.parametrize("setting", ["OVERMIND_TIMEOUT=abc", "OVERMIND_MAX_MEMORY=lots", "OVERMIND_WORKERS=-1",
                                      "OVERMIND_COLD=maybe", "OVERMIND_LOG_LEVEL=LOUD"])
 def test_a_malformed_setting_falls_back_with_one_warning_and_strict_raises(server, models, plain_lm, setting):
-    # Note [A bad setting never stops a script] in overmind.shared.config: plain loads, one warning
+    # Note [A bad setting never stops a script] in overmind.shared.settings.config: plain loads, one warning
     # naming the variable and what it accepts.
     name, value = setting.split("=")
     code = LM + '''

@@ -1,5 +1,5 @@
 """``overmind run`` sees the settings plain python would, whatever the warm interpreter's imports
-read from the environment (Note [Settings an import read] in overmind.shared.import_env).
+read from the environment (Note [Settings an import read] in overmind.shared.settings.import_env).
 
 Real server, real front end, real torch; and a real installed module of our own.
 """
@@ -155,7 +155,7 @@ class _Autostarted:
     def status(self) -> dict:
         from overmind.shared import protocol as P
         from overmind.client.connection import LoadingConnection
-        from overmind.shared.config import Config
+        from overmind.shared.settings.config import Config
 
         with LoadingConnection.open(Config.from_env(self.env), role="cli", autostart=False) as conn:
             return conn.simple(P.Status(), P.StatusReply).info
@@ -212,7 +212,7 @@ def test_the_server_a_first_run_autostarts_starts_that_runs_interpreter_at_once_
     server that run 1 starts starts run 1's warm interpreter as it starts (this run 1 ends before
     it could report anything), run 2 forks from that one interpreter, and the variable that named
     it reaches neither run."""
-    from overmind.shared.config import PREPARE_VARIABLE
+    from overmind.shared.settings.config import PREPARE_VARIABLE
     from ..conftest import child_env
 
     script = tmp_path / "named.py"
@@ -262,8 +262,8 @@ def test_a_learned_module_whose_import_failed_fails_later_imports_as_plain_pytho
     later import of a module that catches that ImportError succeeds, as in plain python, rather
     than failing part-way after registering itself, which killed the runs forked from it."""
     from overmind.shared import protocol as P
-    from overmind.shared.config import Config, selecting_environment
-    from overmind.shared.connect import Connection
+    from overmind.shared.settings.config import Config, selecting_environment
+    from overmind.shared.protocol.connect import Connection
 
     tag = os.getpid()
     registry, missing, guarded = (f"overmind_test_{what}_{tag}" for what in ("registry", "needs_more", "guarded"))

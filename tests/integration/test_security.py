@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from overmind.shared import protocol as P
-from overmind.shared.config import ConfigError, ensure_private_dir
+from overmind.shared.settings.config import ConfigError, ensure_private_dir
 
 from ..conftest import REPO, child_env, run_python
 

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..conftest import age_files
-from overmind.shared.memfd import RESIDENT, cached_share
+from overmind.shared.segments.memfd import RESIDENT, cached_share
 
 from .conftest import LEFT_TO_PAGE_CACHE, ServerProcess, last_json, lose_from_page_cache
 

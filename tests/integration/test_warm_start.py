@@ -27,7 +27,7 @@ SCRIPT = '''"""The README's one line, then what a run can tell about its process
 import overmind.api
 overmind.api.monkey_patch_all()
 import json, os, pathlib, resource, sys
-from overmind.shared.contexts import in_warm_run
+from overmind.shared.protocol.contexts import in_warm_run
 print(json.dumps({"warm": in_warm_run(), "argv": sys.argv[1:], "orig_argv": sys.orig_argv[1:],
                   "nofile": resource.getrlimit(resource.RLIMIT_NOFILE), "nice": os.getpriority(os.PRIO_PROCESS, 0),
                   "cpus": sorted(os.sched_getaffinity(0)), "cgroup": pathlib.Path("/proc/self/cgroup").read_text(),
@@ -177,7 +177,7 @@ def test_in_a_terminal_ctrl_z_stops_and_ctrl_c_interrupts_the_handed_over_script
     ``fg`` continues it, Ctrl-C raises KeyboardInterrupt in the script, ``$?`` is its status."""
     script = tmp_path / "wait.py"
     script.write_text("import overmind.api\novermind.api.monkey_patch_all()\nimport os, sys, time\n"
-                      "from overmind.shared.contexts import in_warm_run\n"
+                      "from overmind.shared.protocol.contexts import in_warm_run\n"
                       "try:\n    print('child', os.getpid(), in_warm_run(), sys.stdin.isatty(), flush=True)\n"
                       "    for _ in range(1200):\n        time.sleep(0.05)\n"
                       "except KeyboardInterrupt:\n    print('caught', flush=True)\n    sys.exit(4)\n")

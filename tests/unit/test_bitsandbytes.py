@@ -1,6 +1,6 @@
 """bitsandbytes models through pack/unpack: parameter classes, quant state and logits survive.
 
-See Note [Quantised parameters] in ``overmind.shared.quirks``.
+See Note [Quantised parameters] in ``overmind.shared.segments.quirks``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ bnb = pytest.importorskip("bitsandbytes")
 import torch  # noqa: E402
 
 from overmind import modelgen  # noqa: E402
-from overmind.shared import quirks
-from overmind.shared.reductions import pack, unpack  # noqa: E402
+from overmind.shared.segments import quirks
+from overmind.shared.segments.reductions import pack, unpack  # noqa: E402
 
 from ..conftest import run_python  # noqa: E402
 from ..helpers.mappings import inside, mapping_ranges  # noqa: E402
@@ -169,14 +169,14 @@ def test_unpickling_a_parameter_record_of_another_version_is_a_clear_error():
 
 
 def test_registering_reducers_imports_no_library_that_is_not_loaded():
-    # A warm interpreter imports torch and overmind.shared.quirks, then forks loaders: importing bitsandbytes there
+    # A warm interpreter imports torch and overmind.shared.segments.quirks, then forks loaders: importing bitsandbytes there
     # would probe CUDA (Note [Warm interpreters never touch CUDA]).
     run_python("""
         import sys, torch
-        from overmind.shared import quirks
+        from overmind.shared.segments import quirks
         assert quirks.register_reducers() == []
         quirks.prepare_for_pickle(torch.nn.Linear(2, 2))
-        from overmind.shared.reductions import pack
+        from overmind.shared.segments.reductions import pack
         pack({"w": torch.nn.Parameter(torch.ones(2))})
         assert "bitsandbytes" not in sys.modules, "bitsandbytes was imported"
     """)

@@ -1,4 +1,4 @@
-"""overmind.shared.calls: what a key sees of the files a call names."""
+"""overmind.shared.calls.keys: what a key sees of the files a call names."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from overmind.shared.calls import Uncacheable, fingerprint_paths
+from overmind.shared.calls.keys import Uncacheable, fingerprint_paths
 
 
 def test_a_file_written_just_now_is_racy_and_not_cached(tmp_path):
@@ -57,7 +57,7 @@ def test_a_folder_fingerprint_ignores_bytecode_caches_and_sees_data_files(tmp_pa
 def _key(**kwargs) -> str:
     import torch
 
-    from overmind.shared.calls import Target, encode_call
+    from overmind.shared.calls.keys import Target, encode_call
 
     return encode_call(Target.of(torch.load), (), kwargs, lambda obj: None).key
 
@@ -77,7 +77,7 @@ def test_dtype_and_device_spellings_that_load_the_same_give_one_key():
 def test_the_loader_receives_the_canonical_arguments():
     import torch
 
-    from overmind.shared.calls import Target, decode_call, encode_call
+    from overmind.shared.calls.keys import Target, decode_call, encode_call
 
     call = encode_call(Target.of(torch.load), (), {"torch_dtype": "bfloat16", "map_location": torch.device("cpu")},
                        lambda obj: None)

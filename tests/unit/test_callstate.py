@@ -1,5 +1,5 @@
-"""The caller's global state a load depends on (overmind.shared.callstate) and the replay of what a
-load emitted (overmind.shared.replay), without a daemon."""
+"""The caller's global state a load depends on (overmind.shared.calls.callstate) and the replay of what a
+load emitted (overmind.shared.calls.replay), without a daemon."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import warnings
 import pytest
 import torch
 
-from overmind.shared import callstate
-from overmind.shared.calls import Target, Uncacheable, encode_call
-from overmind.shared.replay import Recorder, replay
+from overmind.shared.calls import callstate
+from overmind.shared.calls.keys import Target, Uncacheable, encode_call
+from overmind.shared.calls.replay import Recorder, replay
 
 
 def key_of(path: str = "/nonexistent/model.pt") -> str:

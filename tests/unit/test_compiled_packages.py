@@ -14,7 +14,7 @@ import time
 import pytest
 
 from overmind.client import compiled as client_aoti
-from overmind.shared import compiled as packages
+from overmind.shared.calls import compiled as packages
 from overmind.warm import compiled as warm_aoti
 
 torch = pytest.importorskip("torch")
@@ -96,7 +96,7 @@ def test_a_preloaded_runner_is_handed_over_once_and_never_for_a_changed_file(tmp
     path.write_bytes(b"package")
     stamp = time.time() - 60
     os.utime(path, (stamp, stamp))
-    time.sleep(0.2)  # past the ctime's racy window (Note [Racy files] in overmind.shared.calls)
+    time.sleep(0.2)  # past the ctime's racy window (Note [Racy files] in overmind.shared.calls.keys)
     spec = {"point": "torch._inductor::aoti_load_package", "path": str(path), "kwargs": {}}
     runner = object()
     monkeypatch.setattr(packages, "_loaded", {})
@@ -155,7 +155,7 @@ def test_a_package_a_run_reports_reaches_its_lineage_and_starts_no_interpreter(t
     lineage learns it (its interpreters preload it, and its next ones), and no interpreter of the
     base context starts beside the one serving the run (overmind.server.pool.WarmPool.prepare)."""
     from overmind.server.pool import WarmPool, context_from_wire
-    from overmind.shared.config import Config
+    from overmind.shared.settings.config import Config
 
     (tmp_path / "run").mkdir(mode=0o700)  # where an interpreter's log would go
     pool = WarmPool(Config(tmp_path / "run"))

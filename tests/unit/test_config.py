@@ -1,4 +1,4 @@
-"""overmind.shared.config: every bad OVERMIND_* value is named with what is accepted, and never raises
+"""overmind.shared.settings.config: every bad OVERMIND_* value is named with what is accepted, and never raises
 where a script reads it (Note [A bad setting never stops a script]). Each case runs in a fresh
 interpreter: a bad value is told once per process, so a process is the unit that counts."""
 
@@ -15,7 +15,8 @@ import json, warnings
 warnings.simplefilter("always")
 caught = []
 warnings.showwarning = lambda message, category, *a, **k: caught.append(f"{{category.__name__}}: {{message}}")
-from overmind.shared import config
+from overmind.shared import patching
+from overmind.shared.settings import config
 values = [{call} for _ in range(3)]  # read three times: told once
 print(json.dumps({{"values": values, "warnings": caught}}))
 """
@@ -50,7 +51,7 @@ def test_a_bad_yes_no_value_warns_once_naming_it_and_the_spellings_and_acts_as_t
 
 
 def test_bad_patch_points_are_left_out_with_one_warning_each_and_the_good_ones_kept():
-    out = _read("config.extra_patch_points()", OVERMIND_PATCH="garbage, json::loads ,a.b::")
+    out = _read("patching.env_patch_points()", OVERMIND_PATCH="garbage, json::loads ,a.b::")
     assert out["values"] == ["json::loads"] * 3
     assert len(out["warnings"]) == 2, out["warnings"]
     assert all("OVERMIND_PATCH" in w and "module::Qualname.attr" in w for w in out["warnings"])
@@ -70,7 +71,7 @@ def test_bad_patch_points_are_left_out_with_one_warning_each_and_the_good_ones_k
     ("OVERMIND_WARM_MEMORY", "0%", "40G, 512M, 60%"),
 ])
 def test_a_bad_value_is_a_config_error_naming_the_variable_and_what_is_accepted(name, value, accepted):
-    from overmind.shared.config import Config, ConfigError
+    from overmind.shared.settings.config import Config, ConfigError
 
     with pytest.raises(ConfigError) as err:
         Config.from_env({name: value})
@@ -78,7 +79,7 @@ def test_a_bad_value_is_a_config_error_naming_the_variable_and_what_is_accepted(
 
 
 def test_idle_settling_waits_30_s_by_default_never_or_empty_turns_it_off_and_zero_means_at_once():
-    from overmind.shared.config import Config
+    from overmind.shared.settings.config import Config
 
     assert Config.from_env({}).settle_after == 30.0  # Note [Settling file segments] in overmind.server.settle
     assert Config.from_env({"OVERMIND_SETTLE_AFTER": " "}).settle_after is None
@@ -89,7 +90,7 @@ def test_idle_settling_waits_30_s_by_default_never_or_empty_turns_it_off_and_zer
 
 
 def test_every_bad_value_is_named_at_once_and_good_values_are_read_in_any_case():
-    from overmind.shared.config import Config, ConfigError
+    from overmind.shared.settings.config import Config, ConfigError
 
     with pytest.raises(ConfigError) as err:
         Config.from_env({"OVERMIND_COLD": "maybe", "OVERMIND_LOG_LEVEL": "LOUD", "OVERMIND_WORKERS": "-1"})
@@ -99,7 +100,7 @@ def test_every_bad_value_is_named_at_once_and_good_values_are_read_in_any_case()
 
 
 def test_the_server_gets_bad_yes_no_values_as_notes_to_log_not_as_warnings():
-    from overmind.shared.config import Config
+    from overmind.shared.settings.config import Config
 
     notes: list[str] = []
     config = Config.from_env({"OVERMIND_STRICT": "banana"}, notes=notes)
@@ -107,7 +108,7 @@ def test_the_server_gets_bad_yes_no_values_as_notes_to_log_not_as_warnings():
 
 
 def test_the_environment_that_selects_an_interpreter_leaves_a_terminals_own_variables_out():
-    from overmind.shared.config import selecting_environment
+    from overmind.shared.settings.config import selecting_environment
 
     env = {"TORCH_HOME": "/t", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "/p", "OMP_NUM_THREADS": "2",
            "DISPLAY": ":0", "SSH_TTY": "/dev/pts/1", "TERM": "xterm", "MY_SCRIPT_FLAG": "x"}
@@ -116,7 +117,7 @@ def test_the_environment_that_selects_an_interpreter_leaves_a_terminals_own_vari
 
 
 def test_an_empty_environment_reads_as_the_defaults_a_config_is_built_with():
-    from overmind.shared.config import Config
+    from overmind.shared.settings.config import Config
 
     read = Config.from_env({"HOME": "/home/someone"})
     built = Config(read.runtime_dir, state_dir=read.state_dir)

@@ -1,7 +1,7 @@
 """The deployment files (deploy/*.yaml, systemd/overmind-hugepages.conf) agree with the code.
 
-Each test reads a setting the code relies on (an environment variable overmind.shared.config
-reads, the sysfs file overmind.shared.hugepages reads, the console script pyproject installs,
+Each test reads a setting the code relies on (an environment variable overmind.shared.settings.config
+reads, the sysfs file overmind.shared.segments.hugepages reads, the console script pyproject installs,
 the uid the server accepts) and checks the example against it, running the examples' own
 shell scripts and server command against temp paths where they can run here.
 """
@@ -22,9 +22,10 @@ import pytest
 import yaml
 
 from overmind.server import options
-from overmind.shared import config, hugepages
-from overmind.shared.config import Config, ensure_private_dir
-from overmind.shared.config import parse_size
+from overmind.shared.settings import config
+from overmind.shared.segments import hugepages
+from overmind.shared.settings.config import Config, ensure_private_dir
+from overmind.shared.settings.config import parse_size
 
 from ..conftest import REPO, child_env
 
@@ -107,7 +108,7 @@ def test_every_overmind_variable_the_examples_set_is_one_overmind_config_reads(d
         names = [n for n in _env(container) if n.startswith("OVERMIND_")]
         assert names
         for name in names:
-            assert f'"{name}"' in source, f"{name} is not a setting of overmind.shared.config"
+            assert f'"{name}"' in source, f"{name} is not a setting of overmind.shared.settings.config"
 
 
 def test_server_and_pods_name_the_same_host_directory_as_their_runtime_dir(daemonset, pod):

@@ -22,8 +22,8 @@ import time
 import pytest
 
 from overmind.shared import protocol as P
-from overmind.shared.config import Config
-from overmind.shared.memfd import Segment
+from overmind.shared.settings.config import Config
+from overmind.shared.segments.memfd import Segment
 from overmind.server import fills as F
 from overmind.server.loads import Loads
 from overmind.server.fills import Fills

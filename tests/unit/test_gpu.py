@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overmind.shared.reductions import pack, unpack
+from overmind.shared.segments.reductions import pack, unpack
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

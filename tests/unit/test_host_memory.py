@@ -1,4 +1,4 @@
-"""overmind.shared.host_memory finds the memory limit that binds us and what is left under it.
+"""overmind.shared.settings.host_memory finds the memory limit that binds us and what is left under it.
 
 Each test writes a small /proc and /sys/fs/cgroup tree in the kernel's own formats under a
 temp root; one test reads this machine's real files.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from overmind.shared.host_memory import HostMemory, Limit, Stall, mem_available, ram_total
+from overmind.shared.settings.host_memory import HostMemory, Limit, Stall, mem_available, ram_total
 
 GiB = 1 << 30
 MiB = 1 << 20

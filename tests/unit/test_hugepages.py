@@ -1,4 +1,4 @@
-"""overmind.shared.hugepages reads the kernel's shmem huge-page setting and counters.
+"""overmind.shared.segments.hugepages reads the kernel's shmem huge-page setting and counters.
 
 Each test writes a small sysfs/proc tree in the kernel's own format under a temp root, so
 every setting value is covered without changing this machine's (machine-global) setting.
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from overmind.shared import hugepages
+from overmind.shared.segments import hugepages
 
 KERNEL_VALUES = ("always", "within_size", "advise", "never", "deny", "force")  # as 6.x prints them
 SIZE_VALUES = ("always", "inherit", "within_size", "advise", "never")  # hugepages-<size>kB/shmem_enabled

@@ -1,4 +1,4 @@
-"""Note [Settings an import read] in overmind.shared.import_env: what recording sees, in a fresh interpreter."""
+"""Note [Settings an import read] in overmind.shared.settings.import_env: what recording sees, in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 PROBE = """
 import json, os
-from overmind.shared.import_env import Reads, recording
+from overmind.shared.settings.import_env import Reads, recording
 os.environ.pop("IMPORT_ENV_ABSENT", None)
 os.environ["IMPORT_ENV_PRESENT"] = "yes"
 reads = Reads()
@@ -48,7 +48,7 @@ def test_what_the_interpreter_sets_for_itself_is_never_a_difference():
     # The warm interpreter sets PYTORCH_NVML_BASED_CUDA_CHECK for its own imports (Note [Warm
     # interpreters never touch CUDA]); torch reads it there on a CUDA build, and the run's own
     # value (usually unset) must not refuse the fork.
-    from overmind.shared.import_env import INTERPRETERS_OWN, differs
+    from overmind.shared.settings.import_env import INTERPRETERS_OWN, differs
 
     got = _record("os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'); os.getenv('IMPORT_ENV_ABSENT')")
     assert got["names"] == {"IMPORT_ENV_ABSENT": None}

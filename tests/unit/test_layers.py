@@ -4,7 +4,7 @@
 No side imports another side's modules; the warm interpreter may import ``overmind.api``, the
 public face its runs will use.
 
-Note [The loader is handed its references] in overmind.server.loads: a loader gets the entries
+Note [The loader is handed its references] in overmind.server.loaders: a loader gets the entries
 its call refers to from the server, so neither it nor the server imports the user API or the
 client's connection code. The runtime checks run in a fresh interpreter; the static ones read
 every import of every module, those inside functions too. No module of overmind reaches itself
@@ -173,11 +173,60 @@ def test_the_sides_are_the_folders():
     assert all((PACKAGE / side / "__init__.py").is_file() for side in (*SIDES, "shared"))
 
 
+# The rooms of ``shared``, bottom first: a room imports its own modules and the rooms of lower
+# floors; rooms on one floor import none of each other (the map in overmind/shared/__init__.py).
+SHARED_FLOORS = (("settings",), ("process",), ("segments", "calls", "patching"), ("protocol",))
+
+
+def _room(module: str) -> str:
+    """``overmind.shared.segments.memfd`` -> ``segments``; "" for ``overmind.shared`` itself."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["overmind", "shared"] else ""
+
+
+def _wrong_ways(package: Path) -> list[str]:
+    floor = {room: level for level, rooms in enumerate(SHARED_FLOORS) for room in rooms}
+    wrong = []
+    for path in sorted((package / "shared").rglob("*.py")):
+        me = _room(_module_name(path, package))
+        for name, line in _imports(path, package):
+            other = _room(name)
+            if not me or not other or other == me:
+                continue
+            if other not in floor or floor[other] >= floor.get(me, -1):
+                wrong.append(f"{path.relative_to(package.parent)}:{line} ({me}) imports {name} ({other})")
+    return wrong
+
+
+def test_the_rooms_of_shared_import_downwards_only():
+    assert sorted(p.parent.name for p in (PACKAGE / "shared").glob("*/__init__.py")) == \
+        sorted(room for rooms in SHARED_FLOORS for room in rooms), "a room of shared is missing from SHARED_FLOORS"
+    assert [p.name for p in (PACKAGE / "shared").glob("*.py")] == ["__init__.py"], "shared holds rooms, not modules"
+    wrong = _wrong_ways(PACKAGE)
+    assert not wrong, "imports against the floors of shared:\n" + "\n".join(wrong)
+
+
+def test_the_floor_check_sees_an_import_up_and_one_across(tmp_path):
+    package = tmp_path / "overmind"
+    for room in ("settings", "segments", "calls"):
+        (package / "shared" / room).mkdir(parents=True)
+        (package / "shared" / room / "__init__.py").write_text("")
+    (package / "shared" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "shared" / "settings" / "config.py").write_text("def f():\n    from overmind.shared.segments import memfd\n")
+    (package / "shared" / "segments" / "memfd.py").write_text("from overmind.shared.calls import keys\n")
+    (package / "shared" / "calls" / "keys.py").write_text("from overmind.shared.settings import config\n")
+    wrong = _wrong_ways(package)
+    assert len(wrong) == 2 and "(segments) imports overmind.shared.calls.keys" in wrong[0], wrong
+    assert "(settings) imports overmind.shared.segments.memfd" in wrong[1], wrong
+
+
 CLIENT_SIDE_PREFIXES = ("overmind.api", "overmind.client")
 
 # What a loader imports to run a job (overmind.warm.loader.run_job), besides the module itself.
-LOADER_RUN = ["overmind.shared.callstate", "overmind.shared.quirks", "overmind.shared.calls", "overmind.warm.dedup", "overmind.shared.reductions",
-              "overmind.shared.replay", "overmind.shared.memfd"]
+LOADER_RUN = ["overmind.shared.calls.callstate", "overmind.shared.segments.quirks", "overmind.shared.calls.keys",
+              "overmind.warm.dedup", "overmind.shared.segments.reductions", "overmind.shared.calls.replay",
+              "overmind.shared.segments.memfd"]
 
 
 def _imported_by(modules: list[str]) -> set[str]:

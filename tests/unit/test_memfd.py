@@ -1,4 +1,4 @@
-"""overmind.shared.memfd: sealed segments refuse every write path; clients map copy-on-write."""
+"""overmind.shared.segments.memfd: sealed segments refuse every write path; clients map copy-on-write."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import socket
 
 import pytest
 
-from overmind.shared import memfd
-from overmind.shared.memfd import RESIDENT, Segment, cached_share
+from overmind.shared.segments import memfd
+from overmind.shared.segments.memfd import RESIDENT, Segment, cached_share
 
 from ..conftest import run_python
 
@@ -64,7 +64,7 @@ def test_private_mapping_is_writable_and_never_reaches_the_segment(sealed):
 
 def test_another_process_opens_the_segment_through_proc(sealed):
     out = run_python(f"""
-        from overmind.shared.memfd import RESIDENT, Segment, cached_share
+        from overmind.shared.segments.memfd import RESIDENT, Segment, cached_share
         seg = Segment.open_proc({os.getpid()}, {sealed.fd}, {sealed.size})
         m = seg.map_private()
         m[:5] = b"XXXXX"  # private: never seen by the parent
@@ -185,7 +185,7 @@ def test_mapping_an_empty_segment_is_refused():
 def test_a_segment_made_where_huge_pages_are_possible_is_sealed_at_whole_huge_pages(monkeypatch):
     """Note [Huge pages for segments]: its last 2 MiB can then be a huge page too. Forced here,
     whatever this machine's setting; the bytes past the written end read as zeros."""
-    from overmind.shared import memfd
+    from overmind.shared.segments import memfd
 
     monkeypatch.setattr(memfd, "huge_pages_possible", lambda: True)
     seg = Segment.create("huge", 0)
@@ -202,7 +202,7 @@ def test_a_segment_made_where_huge_pages_are_possible_is_sealed_at_whole_huge_pa
 
 
 def test_a_small_segment_is_not_rounded_and_collapsing_it_asks_nothing(monkeypatch):
-    from overmind.shared import memfd
+    from overmind.shared.segments import memfd
 
     monkeypatch.setattr(memfd, "huge_pages_possible", lambda: True)
     seg = Segment.create("small", 3 * mmap.PAGESIZE)
@@ -217,7 +217,7 @@ def test_a_small_segment_is_not_rounded_and_collapsing_it_asks_nothing(monkeypat
 def test_collapsing_a_sealed_segment_keeps_its_bytes_and_seals_and_does_nothing_under_never():
     """MADV_COLLAPSE swaps pages under a sealed file; where the setting is ``never`` the kernel
     refuses it (EINVAL) and the segment is as it was."""
-    from overmind.shared import memfd
+    from overmind.shared.segments import memfd
 
     data = os.urandom(memfd.HUGE_PAGE) * 3
     seg = Segment.create("collapse", len(data))

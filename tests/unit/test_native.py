@@ -1,4 +1,4 @@
-"""overmind.shared.native / overmind._C: zero-copy storages over Python buffers."""
+"""overmind.shared.segments.native / overmind._C: zero-copy storages over Python buffers."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from overmind.shared import native
-from overmind.shared.native import make_untyped_storage, make_untyped_storage_fallback
+from overmind.shared.segments import native
+from overmind.shared.segments.native import make_untyped_storage, make_untyped_storage_fallback
 
 BUILDERS = [pytest.param(make_untyped_storage, id="extension"), pytest.param(make_untyped_storage_fallback, id="fallback")]
 
@@ -105,8 +105,8 @@ def test_fallback_installation_gives_the_same_model(tmp_path):
     """OVERMIND_NO_EXT=1 (torch.frombuffer) rebuilds the same bytes as the extension."""
     code = f"""
 import hashlib, torch
-from overmind.shared import native
-from overmind.shared.reductions import pack, unpack
+from overmind.shared.segments import native
+from overmind.shared.segments.reductions import pack, unpack
 from overmind.modelgen import build_lm
 model = build_lm("tiny")
 packed = pack(model)

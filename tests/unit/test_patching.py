@@ -526,7 +526,7 @@ def test_get_original_of_unpatched_point_returns_current_attribute(fakelib: Path
     )
 
 
-# --- names bound before patching: Note [Names bound before patching] in overmind.shared.bound_names
+# --- names bound before patching: Note [Names bound before patching] in overmind.shared.patching.bound_names
 
 # A module that copied the loader into its globals when it was imported, as peft does with
 # ``from safetensors.torch import load_file as safe_load_file``.
@@ -578,7 +578,7 @@ def test_a_warm_interpreters_index_finds_names_bound_before_and_after_it_without
         from fakelib import loaders, user
         patching.index_bound_names([P("fakelib.loaders::load")])  # the warm interpreter, before it forks
         from fakelib import late  # the child imports more before it patches
-        from overmind.shared import bound_names
+        from overmind.shared.patching import bound_names
         passes = []
         whole = bound_names._bound_in
         bound_names._bound_in = lambda modules, targets: passes.append(len(modules)) or whole(modules, targets)
@@ -656,7 +656,7 @@ def test_monkey_patch_all_undoes_a_failed_patch_warns_and_lets_the_script_run(fa
 
         def fault(modules, targets):
             raise RuntimeError("injected fault")
-        from overmind.shared import bound_names
+        from overmind.shared.patching import bound_names
         bound_names._bound_in = fault  # the pass over names bound before patching
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -1,6 +1,6 @@
 """overmind.server.pressure: the headroom rule, the budget under a cgroup limit, and the order in
 which the cache lets go (Note [The cache gives way]). The memory the guard sees is a fixture tree
-of /proc and /sys files (overmind.shared.host_memory reads under any root); the registry, the
+of /proc and /sys files (overmind.shared.settings.host_memory reads under any root); the registry, the
 settler, their memfds and the model file are real."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from overmind.server.pressure import Guard, default_headroom
 from overmind.server.registry import CacheEntry, Registry, default_budget
 from overmind.server.settle import Settler
 from overmind.shared import protocol as P
-from overmind.shared.config import Config
-from overmind.shared.host_memory import HostMemory
-from overmind.shared.memfd import Segment, is_sealed_memfd
+from overmind.shared.settings.config import Config
+from overmind.shared.settings.host_memory import HostMemory
+from overmind.shared.segments.memfd import Segment, is_sealed_memfd
 
 GIB = 1 << 30
 

@@ -1,11 +1,11 @@
-"""Note [Results that cannot be rebuilt] in overmind.shared.quirks: what the loader refuses to pack."""
+"""Note [Results that cannot be rebuilt] in overmind.shared.segments.quirks: what the loader refuses to pack."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from overmind.shared import quirks
+from overmind.shared.segments import quirks
 
 
 def _model() -> torch.nn.Module:

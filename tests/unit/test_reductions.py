@@ -1,4 +1,4 @@
-"""overmind.shared.reductions: pickling through sealed segments, zero-copy and isolated."""
+"""overmind.shared.segments.reductions: pickling through sealed segments, zero-copy and isolated."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from overmind.shared.reductions import pack, unpack
+from overmind.shared.segments.reductions import pack, unpack
 
 from ..conftest import run_python
 from ..helpers.mappings import inside, mapping_ranges
@@ -153,8 +153,8 @@ def test_rebuilding_a_1gb_model_does_not_copy_its_bytes():
     gc.collect()
     out = run_python(f"""
         import json, psutil, torch, ctypes
-        from overmind.shared.memfd import Segment
-        from overmind.shared.reductions import unpack
+        from overmind.shared.segments.memfd import Segment
+        from overmind.shared.segments.reductions import unpack
         skeleton = open({_dump_skeleton(packed)!r}, "rb").read()
         rss0 = psutil.Process().memory_info().rss
         mappings = {open_in_child(packed)}
@@ -210,8 +210,8 @@ def test_in_place_edits_are_invisible_to_other_rebuilds_and_processes():
     # ...and in another process, the segment still holds the original bytes.
     expected = sum(float(v.double().sum()) for v in reference.values())
     out = run_python(f"""
-        from overmind.shared.memfd import Segment
-        from overmind.shared.reductions import unpack
+        from overmind.shared.segments.memfd import Segment
+        from overmind.shared.segments.reductions import unpack
         skeleton = open({_dump_skeleton(packed)!r}, "rb").read()
         model = unpack(skeleton, {open_in_child(packed)})
         print(repr(sum(float(v.double().sum()) for v in model.state_dict().values())))
@@ -243,8 +243,8 @@ def test_real_models_give_bit_identical_outputs_in_a_fresh_process():
         torch.save({"inputs": inputs, "expected": expected}, f"{tmp}/io.pt")
         out = run_python(f"""
             import torch
-            from overmind.shared.memfd import Segment
-            from overmind.shared.reductions import unpack
+            from overmind.shared.segments.memfd import Segment
+            from overmind.shared.segments.reductions import unpack
             skeleton = open({_dump_skeleton(packed)!r}, "rb").read()
             models = unpack(skeleton, {open_in_child(packed)})
             data = torch.load("{tmp}/io.pt")
@@ -315,7 +315,7 @@ class PackedContents:
 
 
 def test_contents_a_store_holds_are_referenced_not_copied_and_stay_distinct():
-    from overmind.shared.reductions import DEDUP_MIN_BYTES
+    from overmind.shared.segments.reductions import DEDUP_MIN_BYTES
 
     big = torch.randn(DEDUP_MIN_BYTES // 4)
     model = {"a": big, "twin": big.clone(), "other": torch.randn(DEDUP_MIN_BYTES // 4), "small": torch.ones(8)}
@@ -341,7 +341,7 @@ def test_contents_a_store_holds_are_referenced_not_copied_and_stay_distinct():
 
 
 def storage_table(packed) -> list:
-    from overmind.shared.reductions import StorageRef
+    from overmind.shared.segments.reductions import StorageRef
 
     return [StorageRef(*s) for s in pickle.loads(packed.skeleton)[1]]
 
@@ -352,7 +352,7 @@ LAYOUT_SIZES = [2 * MiB - 100_000, 3 * MiB, 60_000, 40 * MiB, 300_000, 3 * MiB, 
 
 
 def test_large_storages_start_on_huge_page_offsets_where_cheap_and_small_ones_fill_the_gaps_before_them():
-    from overmind.shared.memfd import HUGE_PAGE
+    from overmind.shared.segments.memfd import HUGE_PAGE
 
     tensors = [torch.full((n,), i + 1, dtype=torch.uint8) for i, n in enumerate(LAYOUT_SIZES)]
     packed = pack(tensors, writers=1)
@@ -377,8 +377,8 @@ def test_large_storages_start_on_huge_page_offsets_where_cheap_and_small_ones_fi
 def test_a_model_packed_where_huge_pages_are_possible_round_trips_in_whole_huge_pages(monkeypatch):
     """Note [Huge pages for segments]: where the setting allows huge pages, segments are sealed
     at whole 2 MiB and collapsed; forced here so that the path runs whatever this machine's setting."""
-    from overmind.shared import memfd
-    from overmind.shared.memfd import HUGE_PAGE, SEAL_ALL
+    from overmind.shared.segments import memfd
+    from overmind.shared.segments.memfd import HUGE_PAGE, SEAL_ALL
 
     monkeypatch.setattr(memfd, "huge_pages_possible", lambda: True)
     tensors = [torch.randn(n // 4) for n in (4096, 40 * MiB, 8 * MiB + 4, 1000 * 4, 30 * MiB)]
@@ -400,7 +400,7 @@ class InAFile:
     regions of the sizes ``indexed``."""
 
     def __init__(self, tensors: list, indexed: set) -> None:
-        from overmind.shared.memfd import Segment
+        from overmind.shared.segments.memfd import Segment
 
         self.offsets, end = {}, 0
         for t in tensors:
@@ -425,7 +425,7 @@ class InAFile:
 
 
 def test_a_storage_left_in_its_file_is_hashed_after_the_pack_only_where_nothing_indexed_has_its_size():
-    from overmind.shared.reductions import DEDUP_MIN_BYTES, hash_regions
+    from overmind.shared.segments.reductions import DEDUP_MIN_BYTES, hash_regions
 
     first, second = torch.randn(DEDUP_MIN_BYTES // 4), torch.randn(DEDUP_MIN_BYTES // 2)
     model = {"first": first, "second": second, "small": torch.ones(8)}
@@ -451,8 +451,8 @@ def test_a_region_of_the_same_size_is_probed_and_only_a_matching_probe_costs_a_w
     segment, opened through /proc/<pid>/fd with its identity checked, as a loader opens the server's."""
     import xxhash
 
-    from overmind.shared.memfd import Segment
-    from overmind.shared.reductions import DEDUP_MIN_BYTES
+    from overmind.shared.segments.memfd import Segment
+    from overmind.shared.segments.reductions import DEDUP_MIN_BYTES
     from overmind.warm import dedup
 
     held = torch.randn(DEDUP_MIN_BYTES)  # 256 KiB, over PROBE
@@ -488,8 +488,8 @@ def test_a_segment_that_cannot_be_mapped_is_copied_around_and_leaves_no_fd_open(
     """A segment the loader opens but cannot map (here: empty, so there is nothing to map; in
     life, an address-space limit) is treated as evicted: the bytes are stored, and the fd it
     opened through /proc is closed, not left to the loader's exit."""
-    from overmind.shared.memfd import Segment
-    from overmind.shared.reductions import DEDUP_MIN_BYTES
+    from overmind.shared.segments.memfd import Segment
+    from overmind.shared.segments.reductions import DEDUP_MIN_BYTES
     from overmind.warm import dedup
 
     segment = Segment.create("unmappable", 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from overmind.shared import protocol as P
-from overmind.shared.memfd import Segment
+from overmind.shared.segments.memfd import Segment
 from overmind.server.registry import CacheEntry, Registry
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from overmind.server import options
 from overmind.server.options import SETTINGS
-from overmind.shared import config
-from overmind.shared.config import Config
+from overmind.shared.settings import config
+from overmind.shared.settings.config import Config
 
 from ..conftest import REPO, child_env, run_python
 

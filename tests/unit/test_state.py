@@ -20,7 +20,7 @@ import pytest
 
 from overmind.shared import protocol as P
 from overmind.server.loads import check_modules, check_request
-from overmind.shared.config import Config, ConfigError, default_state_dir
+from overmind.shared.settings.config import Config, ConfigError, default_state_dir
 from overmind.server.pool import WarmPool, context_from_wire
 from overmind.server.programs import ProgramHistory
 from overmind.server.state import (FORMAT, VERSION, StateError, StateKeeper, open_state_dir, parse_state, read_state,
@@ -295,7 +295,7 @@ PACKAGE = {"point": "torch._inductor::aoti_load_package", "path": "/models/block
 
 def test_a_contexts_aoti_packages_are_kept_and_malformed_ones_dropped(tmp_path):
     """Note [The state file]: what a context's runs loaded with aoti_load_package, checked as a
-    client's Prepare is (overmind.shared.compiled.packages_from_wire)."""
+    client's Prepare is (overmind.shared.calls.compiled.packages_from_wire)."""
     bad = [{**PACKAGE, "path": "relative/block.pt2"}, {**PACKAGE, "point": "os::system"}, "block.pt2",
            {**PACKAGE, "kwargs": {"f": {"$py": "os.system"}}}]
     context = {"python": sys.executable, "env": {}, "modules": [], "refused": [], "last_used": 1.0,

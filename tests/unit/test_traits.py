@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from overmind.shared.traits import Traits, differences, status_fields, tracer_pid
+from overmind.shared.process.traits import Traits, differences, status_fields, tracer_pid
 from overmind.warm.match import cgroup_procs_file
 
 from ..conftest import child_env
@@ -105,7 +105,7 @@ def test_a_v1_cgroup_is_found_on_the_mount_of_its_controllers(tmp_path):
 
 TAKE_ON = """
 import json, sys
-from overmind.shared.traits import Traits
+from overmind.shared.process.traits import Traits
 from overmind.warm.match import CannotMatch, take_on
 caller = Traits.from_wire(json.loads(sys.argv[1]))
 try:

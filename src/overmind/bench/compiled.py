@@ -122,7 +122,7 @@ def run_scenario(pairs: int = 5, hang_runs: int = 0, say=print) -> dict:
         cold, _ = _timed([sys.executable, paths["compile_block"]], base, folder)
         pack, _ = _timed([sys.executable, paths["package"]], base, folder)
         stamp = time.time() - 60
-        os.utime(paths["package_file"], (stamp, stamp))  # not racy (Note [Racy files] in overmind.shared.calls)
+        os.utime(paths["package_file"], (stamp, stamp))  # not racy (Note [Racy files] in overmind.shared.calls.keys)
         results["compile_cold_s"], results["package_s"] = round(cold, 2), round(pack, 2)
         for name in ("compile_block", "aoti_block"):
             script = str(paths[name])

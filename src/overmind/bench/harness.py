@@ -214,7 +214,7 @@ class BenchServer:
         """Cold loads finish behind the caller (Note [Cold loads run behind the caller] in
         overmind.server.loads): the next run must not share the machine with a cache fill, nor with
         a loader still rebuilding its segments out of huge pages (Note [Huge pages for segments]
-        in overmind.shared.memfd), and a warm load measures the segments as they stay."""
+        in overmind.shared.segments.memfd), and a warm load measures the segments as they stay."""
         deadline = time.monotonic() + timeout
         while True:
             status = self.status()

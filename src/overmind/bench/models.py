@@ -205,7 +205,7 @@ def _generate(cache_dir: Path, scale: str, todo: list[str], progress: bool) -> N
             deps = {dep: _folder(cache_dir, scale, dep) for dep in MODELS[name].needs}
             MODELS[name].make(tmp, SCALES[scale], deps)
             # overmind does not cache files modified in the last 2 s (Note [Racy files] in
-            # overmind.shared.calls); a benchmark right after generation would see only misses.
+            # overmind.shared.calls.keys); a benchmark right after generation would see only misses.
             modelgen.age_files(tmp)
             shutil.rmtree(folder, ignore_errors=True)
             _marker(folder).unlink(missing_ok=True)

@@ -406,7 +406,7 @@ def format_tables(doc: dict) -> str:
 
 
 def _shmem_line(settings: dict) -> str:
-    from overmind.shared.hugepages import ALLOWING
+    from overmind.shared.segments.hugepages import ALLOWING
 
     value = settings["shmem_enabled"]
     if settings["shmem_enabled_runs"]:

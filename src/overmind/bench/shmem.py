@@ -7,7 +7,7 @@
     # the original value is back, whatever happened (also Ctrl-C, SIGTERM, an error)
 
 ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` decides whether overmind's segments
-can be backed by 2 MiB pages (Note [Huge pages for segments] in ``overmind.shared.memfd``), and
+can be backed by 2 MiB pages (Note [Huge pages for segments] in ``overmind.shared.segments.memfd``), and
 with them what the first use of a warm model costs. It is machine-global: the bench only
 changes it when asked, only for the load scenarios, and always puts the original back.
 """
@@ -19,7 +19,7 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-from overmind.shared import hugepages
+from overmind.shared.segments import hugepages
 
 __all__ = ["SHMEM_ENABLED", "VALUES", "current", "Switch", "SwitchRefused"]
 

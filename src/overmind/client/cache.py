@@ -2,10 +2,10 @@
 
     obj = load_target(Target.of(fn), args, kwargs)   # overmind.api's wrappers call this
 
-Reads top to bottom as a warm hit runs: key the call (``overmind.shared.calls``), ask the server over
+Reads top to bottom as a warm hit runs: key the call (``overmind.shared.calls.keys``), ask the server over
 this thread's connection (``overmind.client.connection``), rebuild the object over the mapped segments
-(``overmind.shared.reductions``), leave the process as the plain call would have (``overmind.shared.callstate``,
-``overmind.shared.replay``), and remember which objects came from the cache so a later call can pass
+(``overmind.shared.segments.reductions``), leave the process as the plain call would have (``overmind.shared.calls.callstate``,
+``overmind.shared.calls.replay``), and remember which objects came from the cache so a later call can pass
 them as references (``vae=vae``). Every failure falls back to the original:
 Note [Never worse than no cache] in ``overmind.api``.
 """
@@ -22,8 +22,8 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up
 if TYPE_CHECKING:
     from typing import Any, Iterable, Optional
 
-    from overmind.shared.calls import Target
-    from overmind.shared.config import Config
+    from overmind.shared.calls.keys import Target
+    from overmind.shared.settings.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def _add_sys_path(paths: Iterable[str]) -> None:
 
 def _rebuild(conn, reply, skeleton: bytes, references: dict, meta) -> Any:
     """The object of an entry (``reply``, and ``meta``, its LoadMeta, read once by the caller)."""
-    from overmind.shared.reductions import unpack
+    from overmind.shared.segments.reductions import unpack
 
     _add_sys_path(meta.sys_path_extra)
     mappings = conn.map_segments(reply)
@@ -149,7 +149,7 @@ def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] =
     """Rebuild an existing entry by key: an entry a hit refers to (its ``vae=vae`` arguments)."""
     from overmind.shared import protocol as P
     from overmind.client.connection import LoadingConnection
-    from overmind.shared.config import Config
+    from overmind.shared.settings.config import Config
 
     config = Config.from_env()
     if holder is not None and holder:
@@ -180,7 +180,7 @@ def load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
     """Note [Never worse than no cache] in overmind.api: every step before the original runs is
     guarded, and the original itself always runs outside the guard, so its own exceptions reach
     the caller unchanged and it never runs twice."""
-    from overmind.shared.config import Config, flag, patching_disabled
+    from overmind.shared.settings.config import Config, flag, patching_disabled
 
     if patching_disabled():
         return target.original(*args, **kwargs)
@@ -197,7 +197,7 @@ def load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
 
     try:
         config = Config.from_env()
-        from overmind.shared.calls import Uncacheable, encode_call
+        from overmind.shared.calls.keys import Uncacheable, encode_call
         from overmind.client.connection import CachePending
 
         try:
@@ -255,7 +255,7 @@ def load_target(target: "Target", args: tuple, kwargs: dict) -> Any:
 
 def _tell_plain_load(key: str, seconds: float, imported: list) -> None:
     """What our plain load of a filling key took: the server weighs a later caller's wait for
-    the fill against it (Note [Joining a fill] in overmind.server.fills); and what it imported
+    the fill against it (Note [Joining a fill] in overmind.server.joins); and what it imported
     (a model's own module, say), which the fill's warm interpreter then imports before it forks
     the loader (Note [Cold fills wait for their caller])."""
     conn = getattr(_local, "conn", None)
@@ -273,8 +273,8 @@ def _tell_plain_load(key: str, seconds: float, imported: list) -> None:
 def _fetch(config: "Config", target: "Target", call) -> tuple[Any, Any, str]:
     """(object, its LoadMeta, the key it is filed under), or CachePending."""
     from overmind.shared import protocol as P
-    from overmind.shared.callstate import rng_digest, rng_key, seeded
-    from overmind.shared.contexts import caller_context
+    from overmind.shared.calls.callstate import rng_digest, rng_key, seeded
+    from overmind.shared.protocol.contexts import caller_context
     from overmind.client.prefetch import program_id
 
     request = P.Load(call.key, target.name, call.description, caller_context(), call.refs, modules=target.modules,
@@ -325,7 +325,7 @@ def _rng_end(meta) -> Optional[dict]:
         return None
     import base64
 
-    from overmind.shared.callstate import decode_rng
+    from overmind.shared.calls.callstate import decode_rng
 
     return decode_rng(base64.b64decode(meta.rng["end"]))
 
@@ -333,14 +333,14 @@ def _rng_end(meta) -> Optional[dict]:
 def _as_plain_call_left_it(rng_end: Optional[dict], events: list) -> None:
     """After a hit: the caller's generators where the plain load would have left them, and the
     warnings and log records it would have emitted (Note [Process-global state of a load] in
-    overmind.shared.callstate). Outside the fallback guard: an ``error`` filter raises here, as in the
+    overmind.shared.calls.callstate). Outside the fallback guard: an ``error`` filter raises here, as in the
     plain call."""
     if rng_end:
-        from overmind.shared.callstate import set_rng_state
+        from overmind.shared.calls.callstate import set_rng_state
 
         set_rng_state(rng_end)
     if events:
-        from overmind.shared.replay import replay
+        from overmind.shared.calls.replay import replay
 
         replay(events)
 

@@ -1,6 +1,6 @@
 """The patched ``aoti_load_package`` / ``aot_load``: a preloaded runner in a warm run, else the
 plain call, which teaches the server (Note [AOTInductor packages are handed over] in
-overmind.shared.compiled)::
+overmind.shared.calls.compiled)::
 
     runner = call("torch._inductor::aoti_load_package", original, args, kwargs)   # overmind.api's wrapper
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from overmind.shared.compiled import any_held, fingerprint, plain_value, take
+from overmind.shared.calls.compiled import any_held, fingerprint, plain_value, take
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ def _teach(spec: dict, result) -> None:
             return
         from overmind.client.connection import LoadingConnection
         from overmind.shared import protocol as P
-        from overmind.shared.config import Config
-        from overmind.shared.contexts import caller_context
+        from overmind.shared.settings.config import Config
+        from overmind.shared.protocol.contexts import caller_context
 
         config = Config.from_env()
         with LoadingConnection.open(config) as conn:

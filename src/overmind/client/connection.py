@@ -5,7 +5,7 @@
         mappings = conn.map_segments(reply)
 
 Used by the cache path (``overmind.client.cache``) and prefetch; connecting, the handshake and
-starting the server are ``overmind.shared.connect``'s. Every answer is bounded by
+starting the server are ``overmind.shared.protocol.connect``'s. Every answer is bounded by
 ``OVERMIND_REPLY_TIMEOUT`` (2 s), so a stopped or stuck server costs a caller about that; only
 a cold load the caller chose to wait for (``Pending.waiting``) waits up to ``OVERMIND_TIMEOUT``.
 
@@ -39,10 +39,10 @@ import socket
 from typing import Optional
 
 from overmind.client import prefetch
-from overmind.shared import connect
+from overmind.shared.protocol import connect
 from overmind.shared import protocol as P
-from overmind.shared.connect import START_TIMEOUT, ServerUnavailable, StaleConnection, server_holding, start_server
-from overmind.shared.memfd import Segment
+from overmind.shared.protocol.connect import START_TIMEOUT, ServerUnavailable, StaleConnection, server_holding, start_server
+from overmind.shared.segments.memfd import Segment
 
 logger = logging.getLogger(__name__)
 

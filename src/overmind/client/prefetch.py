@@ -35,7 +35,7 @@ SCM_RIGHTS-only servers, or for ``-c`` and the interactive prompt. The
 thread is a daemon (it never delays the exit) and a forked child forgets what it prepared.
 
 Note [Reading back a lost file]
-A segment can be the model file itself (Note [File-backed segments] in overmind.shared.memfd),
+A segment can be the model file itself (Note [File-backed segments] in overmind.shared.segments.memfd),
 and the page cache can lose its pages before the server copied them into sealed memory (Note
 [Settling file segments] in overmind.server.settle): another workload needed the memory. The hit
 then reads them from disk on the main thread as plain python would, at first use. So the same
@@ -79,13 +79,13 @@ import sys
 import threading
 import time
 
-from overmind.shared import teardown
+from overmind.shared.process import teardown
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import mmap
 
-    from overmind.shared.config import Config
+    from overmind.shared.settings.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ LEFTOVER_SECONDS = 60.0
 _lock = threading.Lock()
 _prepared: dict[tuple[int, int, int], list] = {}  # (st_dev, st_ino, size) -> mappings not yet used
 _first_load = threading.Event()
-teardown.wake_at_exit(_first_load)  # Note [Our threads end before the teardown] in overmind.shared.teardown
+teardown.wake_at_exit(_first_load)  # Note [Our threads end before the teardown] in overmind.shared.process.teardown
 # segments this process prepared, those a load used, and bytes of lost files it read back
 stats = {"prepared": 0, "used": 0, "read_back": 0}
 _program: "str | None" = None
@@ -190,7 +190,7 @@ os.register_at_fork(after_in_child=_forget_in_child)
 def plan(conn) -> tuple[int, list]:
     """(server pid, [[key, segment handles], ...]): what this program loaded last time."""
     from overmind.shared import protocol as P
-    from overmind.shared.contexts import in_warm_run
+    from overmind.shared.protocol.contexts import in_warm_run
 
     program = program_id()
     if not program or conn.proc_pid is None:
@@ -201,7 +201,7 @@ def plan(conn) -> tuple[int, list]:
 
 def prepare(server_pid: int, entries: list, budget: int) -> int:
     """Map and populate the segments of ``entries`` (from :func:`plan`); the bytes prepared."""
-    from overmind.shared.memfd import Segment
+    from overmind.shared.segments.memfd import Segment
 
     done = 0
     unpopulated: list = []  # (segment identity, mapping): mapped, page tables not yet filled
@@ -258,10 +258,10 @@ def _after_torch_import(timeout: float = 60.0) -> None:
 
 def background(config: "Config", server_pid: int, entries: list) -> None:
     """The rest of monkey_patch_all()'s background thread, once its connection is handed on.
-    Reporting imports needs a plain connection (overmind.shared.connect), not the loading one of
+    Reporting imports needs a plain connection (overmind.shared.protocol.connect), not the loading one of
     overmind.client.connection, which takes from this module."""
-    from overmind.shared.connect import Connection
-    from overmind.shared.contexts import in_warm_run
+    from overmind.shared.protocol.connect import Connection
+    from overmind.shared.protocol.contexts import in_warm_run
 
     try:
         started = time.monotonic()
@@ -292,7 +292,7 @@ def new_module_names(seen: set) -> list:
 def report_imports(conn) -> None:
     """Note [Teaching the interpreter while importing]."""
     from overmind.shared import protocol as P
-    from overmind.shared.contexts import caller_context
+    from overmind.shared.protocol.contexts import caller_context
 
     seen: set = set()
     deadline = time.monotonic() + REPORT_FOR

@@ -16,7 +16,7 @@ installed modules are new (``Prepare.modules``; Note [Warm interpreters learn] i
 overmind.warm.interpreter), until nothing new came for QUIET_AFTER seconds, and once more at
 exit, as a forked run's report does. What stays different from plain python: that thread while
 it lives (ended before the interpreter's teardown, Note [Our threads end before the teardown] in
-overmind.shared.teardown) and one ``atexit`` callback.
+overmind.shared.process.teardown) and one ``atexit`` callback.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def teach() -> None:
 
     def report(extra: list = ()) -> bool:
         from overmind.shared import protocol as P
-        from overmind.shared.contexts import caller_context
+        from overmind.shared.protocol.contexts import caller_context
         from overmind.client.prefetch import new_module_names  # the warm interpreter keeps only installed ones
 
         new = new_module_names(state["seen"]) + list(extra)
@@ -47,8 +47,8 @@ def teach() -> None:
             return False
         with state["lock"]:
             if state["sock"] is None:
-                from overmind.shared.config import Config
-                from overmind.shared.connect import handshake
+                from overmind.shared.settings.config import Config
+                from overmind.shared.protocol.connect import handshake
 
                 state["sock"] = handshake(Config.from_env(), "run")[0]
             env, state["env"] = state["env"], {}  # the first report starts the interpreter: only it carries it
@@ -75,7 +75,7 @@ def teach() -> None:
 
     def at_exit() -> None:
         try:
-            from overmind.shared.compiled import USED, used
+            from overmind.shared.calls.compiled import USED, used
 
             report([USED] if used() else [])
         except Exception:  # noqa: BLE001
@@ -83,8 +83,8 @@ def teach() -> None:
 
     import atexit
 
-    from overmind.shared import teardown
+    from overmind.shared.process import teardown
 
     atexit.register(at_exit)  # runs after teardown's own, which ends the thread first
-    # Note [Our threads end before the teardown] in overmind.shared.teardown
+    # Note [Our threads end before the teardown] in overmind.shared.process.teardown
     teardown.start_thread(loop, "overmind-first-run")

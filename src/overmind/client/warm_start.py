@@ -51,8 +51,8 @@ SAY_WHY_TIMEOUT = 0.25  # seconds for the handshake that tells the server why a 
 
 def _command() -> tuple[str, str, list[str], tuple[str, ...]] | None:
     """(mode, target, args, options) of this interpreter's command line, if its options are
-    only those a warm child reproduces (overmind.shared.contexts.RUN_OPTIONS)."""
-    from overmind.shared.contexts import RUN_OPTIONS
+    only those a warm child reproduces (overmind.shared.protocol.contexts.RUN_OPTIONS)."""
+    from overmind.shared.protocol.contexts import RUN_OPTIONS
 
     argv = list(getattr(sys, "orig_argv", []))[1:]
     options = []
@@ -124,7 +124,7 @@ def _watched() -> str:
     monitoring = getattr(sys, "monitoring", None)
     if monitoring is not None and any(monitoring.get_tool(i) for i in range(6)):
         return "a sys.monitoring tool is registered (a debugger, profiler or coverage)"
-    from overmind.shared.traits import tracer_pid
+    from overmind.shared.process.traits import tracer_pid
 
     if tracer := tracer_pid():
         return f"pid {tracer} traces this process (a debugger or strace)"
@@ -176,9 +176,9 @@ def _say_why(reason: str) -> None:
     not waiting for its answer. No server: nothing to tell (monkey_patch_all() starts one)."""
     try:
         from overmind.shared import protocol as P
-        from overmind.shared.config import Config
-        from overmind.shared.connect import handshake
-        from overmind.shared.contexts import caller_context
+        from overmind.shared.settings.config import Config
+        from overmind.shared.protocol.connect import handshake
+        from overmind.shared.protocol.contexts import caller_context
 
         # A short bound: a stuck server must not hold up a script that runs here anyway.
         sock, _, _ = handshake(Config.from_env(), "run", timeout=SAY_WHY_TIMEOUT)
@@ -196,9 +196,9 @@ def hand_off_script(frame) -> None:
         if reason != IN_WARM:
             _say_why(reason)
         return
-    from overmind.shared import handoff
-    from overmind.shared.contexts import RunSpec
-    from overmind.shared.config import Config, ConfigError
+    from overmind.shared.protocol import handoff
+    from overmind.shared.protocol.contexts import RunSpec
+    from overmind.shared.settings.config import Config, ConfigError
 
     try:
         config = Config.from_env()

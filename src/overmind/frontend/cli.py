@@ -1,7 +1,7 @@
 """The ``overmind`` command: inspect and control a running overmind-server.
 
     overmind status [--json]        the server (budget, used, hits, misses, evictions, ...), its entries, and
-                                    whether segments get huge pages (read here: overmind.shared.hugepages)
+                                    whether segments get huge pages (read here: overmind.shared.segments.hugepages)
     overmind status --wait-ready [--timeout S]
                                     wait until the server's restore after a restart is done
                                     (Note [Restore after a restart] in overmind.server.restore)
@@ -36,11 +36,11 @@ import sys
 import time
 from typing import Callable, Optional
 
-from overmind.shared import config as settings
-from overmind.shared import hugepages
+from overmind.shared.settings import config as settings
+from overmind.shared.segments import hugepages
 from overmind.shared import protocol as P
-from overmind.shared.connect import Connection, ServerUnavailable, server_holding
-from overmind.shared.config import Config, ConfigError, read_runtime_file
+from overmind.shared.protocol.connect import Connection, ServerUnavailable, server_holding
+from overmind.shared.settings.config import Config, ConfigError, read_runtime_file
 from overmind.frontend.closed_stdout import leave_for_closed_stdout, stdout_closed
 
 __all__ = ["main", "list_main", "shutdown_main", "human_bytes", "human_duration"]
@@ -187,7 +187,7 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
         rows.append(("file segments", f"{human_bytes(files.get('bytes', 0))} served from model files; "
                      f"{files.get('settled', 0)} settled into sealed memory ({human_bytes(files.get('settled_bytes', 0))})"
                      + (f"; copying {human_bytes(copying[0])} of {human_bytes(copying[1])}" if copying else "")))
-    for fill in info.get("packing") or []:  # Note [Joining a fill] in overmind.server.fills
+    for fill in info.get("packing") or []:  # Note [Joining a fill] in overmind.server.joins
         rows.append(("filling", f"{fill.get('key', '')}: {human_bytes(fill.get('written', 0))} of "
                      f"{human_bytes(fill.get('expected', 0))} in place after {fill.get('seconds', 0):.1f}s"))
     state = info.get("state")
@@ -527,7 +527,7 @@ def _main(argv: list[str]) -> int:
         print("overmind: `run` is the overmind command's own: `overmind run ...` or `python -m overmind run ...`",
               file=sys.stderr)
         return EXIT_USAGE
-    # Note [A bad setting never stops a script] in overmind.shared.config: said on the user's stderr.
+    # Note [A bad setting never stops a script] in overmind.shared.settings.config: said on the user's stderr.
     settings.report = lambda message: print(f"overmind: {message}", file=sys.stderr)
     env = dict(os.environ)
     if args.runtime_dir:

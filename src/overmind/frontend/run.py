@@ -31,7 +31,7 @@ import os
 import sys
 
 # Note [A light front end]: the plain path (no server) imports neither the protocol nor signal;
-# both are imported by the functions that talk to a server (overmind.shared.handoff).
+# both are imported by the functions that talk to a server (overmind.shared.protocol.handoff).
 
 __all__ = ["main", "command", "parse", "run_arguments"]
 
@@ -112,10 +112,10 @@ def main(argv: list[str]) -> int:
         print(f"overmind run: {err}\n{USAGE}", file=sys.stderr)
         return 2
     plain = _plain_argv(python, mode, target, args)
-    from overmind.shared import config as settings
-    from overmind.shared.config import Config, ConfigError, flag, runtime_dir_path
+    from overmind.shared.settings import config as settings
+    from overmind.shared.settings.config import Config, ConfigError, flag, runtime_dir_path
 
-    # Note [A bad setting never stops a script] in overmind.shared.config: said here on the user's stderr.
+    # Note [A bad setting never stops a script] in overmind.shared.settings.config: said here on the user's stderr.
     settings.report = lambda message: print(f"overmind run: {message}", file=sys.stderr)
     started = None
     if flag("OVERMIND_DISABLE"):
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
     elif not os.path.exists(os.path.join(runtime_dir_path(), "server.sock")):
         # Note [Never worse than plain python]: no server; start one for next time, unless told not to
         if not flag("OVERMIND_NO_AUTOSTART"):
-            from overmind.shared.connect import start_server
+            from overmind.shared.protocol.connect import start_server
 
             try:
                 start_server(Config.from_env(), wait=False, prepare=python)
@@ -135,8 +135,8 @@ def main(argv: list[str]) -> int:
         except ConfigError as err:
             print(f"overmind run: {err}; running plainly", file=sys.stderr)
         else:
-            from overmind.shared.contexts import RunSpec
-            from overmind.shared.handoff import hand_off
+            from overmind.shared.protocol.contexts import RunSpec
+            from overmind.shared.protocol.handoff import hand_off
 
             started = hand_off(python, RunSpec.of_caller(mode, target, args), config)
     if started is None:
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
         except OSError as err:
             print(f"overmind run: cannot run {plain[0]}: {err.strerror}", file=sys.stderr)
             return 127
-    from overmind.shared.handoff import exit_like, wait_for
+    from overmind.shared.protocol.handoff import exit_like, wait_for
 
     exit_like(wait_for(*started))
     return 1  # unreachable

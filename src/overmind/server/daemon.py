@@ -32,7 +32,7 @@ from typing import Optional
 
 from overmind import __version__
 from overmind.shared import protocol as P
-from overmind.shared.config import (LOG_FORMAT, PREPARE_VARIABLE, Config, ConfigError, ensure_private_dir,
+from overmind.shared.settings.config import (LOG_FORMAT, PREPARE_VARIABLE, Config, ConfigError, ensure_private_dir,
                                     lock_within, open_runtime_file, read_runtime_file, write_runtime_file)
 from overmind.server.loads import MAX_TEXT, Loads, check_modules, check_request, reply_error
 from overmind.server.options import parse as parse_options
@@ -44,8 +44,8 @@ from overmind.server.restore import Restore
 from overmind.server.settle import Settler
 from overmind.server.state import StateKeeper
 from overmind.server.warm_process import RunRefused
-from overmind.shared.compiled import packages_from_wire
-from overmind.shared.contexts import Context, environment_from_wire
+from overmind.shared.calls.compiled import packages_from_wire
+from overmind.shared.protocol.contexts import Context, environment_from_wire
 
 logger = logging.getLogger("overmind.server.daemon")
 
@@ -404,7 +404,7 @@ class Server:
         info["bytes"] = info["used"] = self.registry.used()
         info["interpreters"] = self.pool.describe()
         info["warm_retired"] = self.pool.retired
-        info["loaders_exiting"] = self.loads.loaders_exiting()  # Note [Huge pages for segments] in overmind.shared.memfd
+        info["loaders_exiting"] = self.loads.loaders_exiting()  # Note [Huge pages for segments] in overmind.shared.segments.memfd
         info["packing"] = self.loads.fills.packing()  # Note [Joining a fill] in overmind.server.fills
         info.update(self.registry.counters())  # after the fills': one no longer "loading" has its entry counted
         info["file_segments"] = {"bytes": self.registry.file_bytes(), **self.settler.describe()}  # Note [Settling file segments]
@@ -434,7 +434,7 @@ def _listen(path) -> tuple[socket.socket, tuple[int, int]]:
 
 
 def _configure_logging(level: str, log_fd: int, foreground: bool) -> None:
-    """``level`` is one of overmind.shared.config.LOG_LEVELS, checked by Config.from_env."""
+    """``level`` is one of overmind.shared.settings.config.LOG_LEVELS, checked by Config.from_env."""
     root = logging.getLogger("overmind")
     root.setLevel(level)
     fmt = logging.Formatter(LOG_FORMAT)
@@ -450,7 +450,7 @@ def _configure_logging(level: str, log_fd: int, foreground: bool) -> None:
 def _refuse_to_start(err: ConfigError, log_fd: int) -> None:
     """A bad setting or runtime directory: say so on stderr (whoever started us reads it: a
     client that autostarts us, a unit's journal) and in the log when it could be opened (where
-    clients point), then exit: Note [A bad setting never stops a script] in overmind.shared.config."""
+    clients point), then exit: Note [A bad setting never stops a script] in overmind.shared.settings.config."""
     print(f"overmind-server: not starting: {err}", file=sys.stderr)
     if log_fd >= 0:
         _configure_logging("INFO", log_fd, foreground=False)
@@ -530,14 +530,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     prepare = os.environ.pop(PREPARE_VARIABLE, "")  # never inherited by an interpreter, a loader or a run
     args, env = parse_options(argv)  # each flag in its OVERMIND_* variable's place (overmind.server.options)
     _clean_signals()  # Note [A server's signals are its own]
-    from overmind.shared.config import default_runtime_dir
+    from overmind.shared.settings.config import default_runtime_dir
 
     paths = Config(default_runtime_dir(env))  # the runtime dir and log, before the settings are read
     log_fd = -1
     notes: list[str] = []  # bad yes/no values: logged once logging is set up
     try:
         ensure_private_dir(paths.runtime_dir)
-        # Note [Runtime files are opened, never followed] in overmind.shared.config; opened before
+        # Note [Runtime files are opened, never followed] in overmind.shared.settings.config; opened before
         # detaching, so a refusal reaches the one who started us.
         log_fd = open_runtime_file(paths.log_path, os.O_WRONLY | os.O_APPEND)
         config = Config.from_env(env, notes=notes)

@@ -76,7 +76,7 @@ Note [Only deterministic failures are remembered]
 A load whose original load function raised will raise again: it is remembered for
 ``FAILURE_TTL`` seconds, so later calls load plainly at once instead of paying a loader
 each. So is a result that cannot be rebuilt (Note [Results that cannot be rebuilt] in
-overmind.shared.quirks): the same call gives the same model, and no loader runs it again while
+overmind.shared.segments.quirks): the same call gives the same model, and no loader runs it again while
 remembered. A loader that *died* (the OOM killer, a signal, a timeout) says nothing about the
 next try, so the key is tried again; only after ``MAX_DEATHS`` deaths in a row is it
 remembered like a raise. At most ``MAX_FAILURES`` failures are kept (oldest dropped) with
@@ -98,8 +98,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from overmind.shared import protocol as P
-from overmind.shared.config import Config
-from overmind.shared.priority import can_lift_idle, every_thread, to_idle, to_normal
+from overmind.shared.settings.config import Config
+from overmind.shared.process.priority import can_lift_idle, every_thread, to_idle, to_normal
 from overmind.server.registry import CacheEntry, Registry, Reply
 
 logger = logging.getLogger("overmind.server.fills")
@@ -175,7 +175,7 @@ LATE_REPORT = 0.25  # seconds without a progress report (one comes every 0.1 s) 
 # host fills it at 0.4 GB/s instead of 2.4 GB/s past the last 1.5-3.5 GB freed): the ControlNet
 # workload's pipeline took longer to fill than to load plainly, and runs that came sooner
 # loaded it plainly. Weights that are a model file's own pages are therefore not written at
-# all: the file is their segment (Note [File-backed segments] in overmind.shared.memfd), and
+# all: the file is their segment (Note [File-backed segments] in overmind.shared.segments.memfd), and
 # they are copied into sealed memory only when the server is idle (Note [Settling file
 # segments] in overmind.server.settle).
 

@@ -9,9 +9,9 @@ Standard library only.
 Kept per lineage (``Context.lineage``: a context and its variants keyed on the values of the
 variables their imports read): the installed modules its runs and loads imported (Note [Warm
 interpreters learn] in overmind.warm.interpreter), the AOTInductor packages its runs loaded
-(Note [AOTInductor packages are handed over] in overmind.shared.compiled), the modules that started a thread when
+(Note [AOTInductor packages are handed over] in overmind.shared.calls.compiled), the modules that started a thread when
 imported (never pre-imported again: Note [Threads libraries start] in overmind.warm.fork_safety), and the environment
-names and prefixes its imports read (Note [Settings an import read] in overmind.shared.import_env).
+names and prefixes its imports read (Note [Settings an import read] in overmind.shared.settings.import_env).
 ``overmind.server.state`` keeps a ``snapshot()`` across restarts and ``teach``es it back.
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import threading
 
-from overmind.shared.contexts import Context
-from overmind.shared.import_env import MAX_NAMES, MAX_PREFIXES, select
-from overmind.shared.compiled import MAX_PACKAGES, refusal_name, spec_key
+from overmind.shared.protocol.contexts import Context
+from overmind.shared.settings.import_env import MAX_NAMES, MAX_PREFIXES, select
+from overmind.shared.calls.compiled import MAX_PACKAGES, refusal_name, spec_key
 
 __all__ = ["Lessons", "MAX_LEARNED"]
 
@@ -34,7 +34,7 @@ class Lessons:
         self.learned: dict[str, list] = {}  # lineage -> installed modules its runs and loads imported
         self.refused: dict[str, set] = {}  # lineage -> modules that started a thread when imported
         self.reads: dict[str, tuple[set, set]] = {}  # lineage -> (names, prefixes) its imports read
-        self.packages: dict[str, list] = {}  # lineage -> AOTInductor packages to preload (overmind.shared.compiled)
+        self.packages: dict[str, list] = {}  # lineage -> AOTInductor packages to preload (overmind.shared.calls.compiled)
 
     def for_new(self, context: Context, live: list) -> tuple[list, list]:
         """(modules to pre-import, modules refused) for a new interpreter of ``context``: what its
@@ -91,7 +91,7 @@ class Lessons:
     def with_reads(self, context: Context, env) -> Context:
         """``context`` with the caller's values (``env``, its whole environment) of the variables its
         lineage's imports read: a caller whose values differ from an interpreter's gets another,
-        imported under its own (Note [Settings an import read] in overmind.shared.import_env)."""
+        imported under its own (Note [Settings an import read] in overmind.shared.settings.import_env)."""
         with self.lock:
             names, prefixes = self.reads.get(context.lineage, ((), ()))
             chosen = select(env, names, prefixes) if isinstance(env, dict) else {}

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from typing import Callable, Optional
 
 from overmind.shared import protocol as P
-from overmind.shared.config import Config
+from overmind.shared.settings.config import Config
 from overmind.server.fills import MAX_RENEWALS, Admission, Fill, Fills
 from overmind.server.pool import WarmPool, LoadFailure, context_from_wire
 from overmind.server.programs import ProgramHistory
@@ -45,7 +45,7 @@ logger = logging.getLogger("overmind.server.daemon")
 __all__ = ["Loads", "reply_error", "check_request", "check_modules", "MAX_KEY", "MAX_TEXT", "MAX_LIST",
            "MAX_MODULES"]
 
-MAX_KEY = 64  # keys are xxh3-128 hex digests (overmind.shared.calls): 32 characters
+MAX_KEY = 64  # keys are xxh3-128 hex digests (overmind.shared.calls.keys): 32 characters
 MAX_TEXT = 1000
 MAX_LIST = 256
 MAX_MODULES = 20000  # module names one Prepare may teach (a big script imports ~4000)
@@ -191,7 +191,7 @@ class Loads:
             return P.send_message(conn, P.Pending(request.key, False, why))
         if admission.failure is not None:
             if admission.failure.code == P.ErrorCode.NOT_REBUILDABLE:
-                self.not_cacheable += 1  # Note [Results that cannot be rebuilt] in overmind.shared.quirks
+                self.not_cacheable += 1  # Note [Results that cannot be rebuilt] in overmind.shared.segments.quirks
             if not request.lookup_only:
                 self.fills.loads_plainly()
             if request.wait or request.lookup_only:
@@ -271,7 +271,7 @@ class Loads:
             fill.error = P.Error(P.ErrorCode.INTERNAL, f"server error: {err}")
         finally:
             if fill.error is not None and fill.error.code == P.ErrorCode.NOT_REBUILDABLE:
-                self.not_cacheable += 1  # not a fault: Note [Results that cannot be rebuilt] in overmind.shared.quirks
+                self.not_cacheable += 1  # not a fault: Note [Results that cannot be rebuilt] in overmind.shared.segments.quirks
                 logger.info("not caching %s: %s", request.key[:16], fill.error.message[:300])
             elif fill.error is not None:
                 logger.warning("load of %s failed: %s", request.key[:16], fill.error.message[:300])
@@ -343,7 +343,7 @@ class Loads:
               ) -> CacheEntry:
         """File the loader's answer as an entry: the registry's now."""
         # The loader sends its new segments and, after them, those of other entries that hold some
-        # of its storages already (Note [Stored once by content] in overmind.shared.reductions).
+        # of its storages already (Note [Stored once by content] in overmind.shared.segments.reductions).
         slots: list = [None] * result.nslots
         for fd, size, slot in zip(fds, result.sizes, result.slots):
             slots[slot] = [fd, size]
@@ -418,7 +418,7 @@ CONTENTS_BLOB = 4 << 20  # bytes of a loader's FileContents: 8000 records of ~70
 class _ExitingLoaders:
     """A loader that answered may still hash the storages it left in their files (Note [Hashing
     a file's storages after the answer] in overmind.warm.loader) and rebuild its segments out of
-    huge pages (Note [Huge pages for segments] in overmind.shared.memfd); it counts here until it
+    huge pages (Note [Huge pages for segments] in overmind.shared.segments.memfd); it counts here until it
     exits (EOF on its job socket), so a benchmark can wait for the machine to be quiet
     (``loaders_exiting`` in the status)."""
 

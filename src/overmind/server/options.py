@@ -7,10 +7,10 @@ the fallback::
 :data:`SETTINGS` is the one list of the server's settings. Each row names its variable; the flag
 is the variable's name without ``OVERMIND_``, lower case, ``-`` for ``_`` (``OVERMIND_WARM_MAX``
 is ``--warm-max``), and its text is what ``overmind-server --help`` prints. What a value may be
-and its default are overmind.shared.config's: a flag's value is checked by the reader of its
+and its default are overmind.shared.settings.config's: a flag's value is checked by the reader of its
 variable, and a bad one stops the command line at once (exit 2) with what is accepted, as
 argparse does; a flag given wins over its variable. The client's settings (``OVERMIND_COLD``,
-``OVERMIND_STRICT``...) are variables only: overmind.shared.config lists them.
+``OVERMIND_STRICT``...) are variables only: overmind.shared.settings.config lists them.
 
 Standard library only, as the whole server.
 """
@@ -21,7 +21,7 @@ import argparse
 import os
 from typing import NamedTuple, Optional
 
-from overmind.shared.config import LOG_LEVELS, Config, ConfigError
+from overmind.shared.settings.config import LOG_LEVELS, Config, ConfigError
 
 __all__ = ["SETTINGS", "Setting", "build_parser", "parse"]
 
@@ -92,7 +92,7 @@ def _default_text(setting: Setting, defaults: Config) -> str:
 
 
 def _checked(variable: str):
-    """An argparse ``type``: the value as overmind.shared.config reads ``variable``, or its error."""
+    """An argparse ``type``: the value as overmind.shared.settings.config reads ``variable``, or its error."""
     def check(value: str) -> str:
         try:
             Config.from_env({variable: value})
@@ -107,7 +107,7 @@ def _checked(variable: str):
 def _memory_text() -> str:
     """Which limit the memory settings' shares are of, here and now."""
     from overmind.server.pressure import default_headroom
-    from overmind.shared.host_memory import HostMemory
+    from overmind.shared.settings.host_memory import HostMemory
 
     try:
         memory = HostMemory.read()

@@ -35,8 +35,8 @@ from collections import OrderedDict
 from typing import Callable, Optional
 
 from overmind.shared import protocol as P
-from overmind.shared.config import Config
-from overmind.shared.contexts import Context, RunSpec, load_context_from_wire
+from overmind.shared.settings.config import Config
+from overmind.shared.protocol.contexts import Context, RunSpec, load_context_from_wire
 from overmind.server.lessons import Lessons
 from overmind.server.warm_process import RunRefused, WarmProcess
 
@@ -59,7 +59,7 @@ class LoadFailure(Exception):
 
 
 def context_from_wire(data: object) -> tuple[Context, str, list]:
-    """A load's context, cwd and sys.path (overmind.shared.contexts), or LoadFailure."""
+    """A load's context, cwd and sys.path (overmind.shared.protocol.contexts), or LoadFailure."""
     try:
         return load_context_from_wire(data)
     except ValueError as err:
@@ -67,7 +67,7 @@ def context_from_wire(data: object) -> tuple[Context, str, list]:
 
 
 def run_from_wire(context: object, spec: object) -> tuple[Context, RunSpec]:
-    """A run's context and spec (overmind.shared.contexts), or LoadFailure."""
+    """A run's context and spec (overmind.shared.protocol.contexts), or LoadFailure."""
     try:
         return Context.from_wire(context), RunSpec.from_wire(spec)
     except ValueError as err:
@@ -169,7 +169,7 @@ class WarmPool:
         return count < MAX_CANNOT_FORK
 
     def _learn_packages(self, context: Context, packages: list) -> None:
-        """Note [AOTInductor packages are handed over] in overmind.shared.compiled: every interpreter
+        """Note [AOTInductor packages are handed over] in overmind.shared.calls.compiled: every interpreter
         of the lineage preloads them (a run may be forked from a variant keyed on what imports read)."""
         self.lessons.add_packages(context, packages)
         with self.lock:
@@ -183,7 +183,7 @@ class WarmPool:
         """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all()),
         and have it import ``modules``, which a client of it imported (Note [Warm interpreters
         learn] in overmind.warm.interpreter), and preload ``packages`` (Note [AOTInductor packages
-        are handed over] in overmind.shared.compiled). ``env``: a run's whole environment, for a
+        are handed over] in overmind.shared.calls.compiled). ``env``: a run's whole environment, for a
         new interpreter to import under (Note [A run's interpreter imports under the run's environment])."""
         if self.holding_back():
             return logger.info("not starting a warm interpreter for context %s: memory is short", context.key)
@@ -431,7 +431,7 @@ class WarmPool:
 # The first ``overmind run`` of a context goes plain while an interpreter starts for it. That
 # interpreter imports under the run's whole environment (its own OVERMIND_* settings aside),
 # not only the context's: what its imports read is learned only as they read it (Note
-# [Settings an import read] in overmind.shared.import_env), and one started without, say,
+# [Settings an import read] in overmind.shared.settings.import_env), and one started without, say,
 # the TORCHINDUCTOR_CACHE_DIR the user's shell sets would be refused by the very next run of
 # the same shell, which would go plain again while yet another interpreter imports (measured:
 # a torch.compile script's run 2 at 1.1 x plain, an AOTInductor script's at 1.2-2.2 x). Once

@@ -12,7 +12,7 @@ cannot reclaim without swap, and a write-sealed memfd cannot be hole-punched: ki
 user's job frees nothing of them. So the server must let go itself, before the job stalls or
 is killed. One thread looks every POLL seconds at what is available to the server (the
 smallest of MemAvailable and, under each cgroup limit over it, what that limit leaves: Note
-[What is left under a limit] in overmind.shared.host_memory) and at the kernel's memory stall
+[What is left under a limit] in overmind.shared.settings.host_memory) and at the kernel's memory stall
 time (PSI, where the kernel keeps it). Memory is *short* when less than the headroom is
 available (``OVERMIND_HEADROOM``; by default 10 % of the memory the server may use, at least
 1 GiB and at most 8 GiB, as ComfyUI's RAM cache keeps 10 %), or when tasks stalled on memory
@@ -60,9 +60,9 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from overmind.shared.config import Config
-from overmind.shared.host_memory import HostMemory
-from overmind.shared.memfd import RESIDENT, cached_share, hold_pages
+from overmind.shared.settings.config import Config
+from overmind.shared.settings.host_memory import HostMemory
+from overmind.shared.segments.memfd import RESIDENT, cached_share, hold_pages
 
 logger = logging.getLogger("overmind.server.pressure")
 

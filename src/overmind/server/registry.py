@@ -16,7 +16,7 @@ kernel frees a segment when its last fd and last client mapping are gone.
 
 Note [Content index]
 Each entry lists the contents its loader hashed (Note [Stored once by content] in
-overmind.shared.reductions) as ``[digest, nbytes, slot, offset]``. :meth:`Registry.content_index`
+overmind.shared.segments.reductions) as ``[digest, nbytes, slot, offset]``. :meth:`Registry.content_index`
 turns them into regions of live segments, named by (device, inode) and by an entry that
 holds the segment, with that entry's segment handles, so a loader can open the segment
 through ``/proc/<server>/fd`` and check it is that file. The index is built per cold load
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from overmind.shared import protocol as P
-from overmind.shared.config import memory_total
-from overmind.shared.memfd import is_sealed_memfd
+from overmind.shared.settings.config import memory_total
+from overmind.shared.segments.memfd import is_sealed_memfd
 
 logger = logging.getLogger("overmind.server.registry")
 
@@ -85,7 +85,7 @@ class CacheEntry:
             st = os.fstat(slot[0])
             self.segments.append((st.st_dev, st.st_ino, st.st_size))
             self.slot_ids.append((st.st_dev, st.st_ino))
-            if not is_sealed_memfd(slot[0]):  # Note [File-backed segments] in overmind.shared.memfd
+            if not is_sealed_memfd(slot[0]):  # Note [File-backed segments] in overmind.shared.segments.memfd
                 self.files.add((st.st_dev, st.st_ino))
 
     def handles(self) -> list:
@@ -106,7 +106,7 @@ class CacheEntry:
     def fresh(self) -> bool:
         """Do the files the loader read still have the size, mtime, inode, device and ctime it
         saw? The ctime catches a rewrite in place with the mtime put back (Note [What a
-        fingerprint cannot see] in overmind.shared.calls). A record of another shape is from a loader
+        fingerprint cannot see] in overmind.shared.calls.keys). A record of another shape is from a loader
         that is not ours: stale, so the call loads again rather than trusting it."""
         return files_unchanged(self.meta.files)
 

@@ -23,7 +23,7 @@ for an entry not refilled yet loads it as a miss, and the restore then finds it 
 
 Note [Never stale]
 A restored entry is filed under the key its client computed, which holds the fingerprints of
-the files it named (Note [What a fingerprint cannot see] in overmind.shared.calls). Each refill first
+the files it named (Note [What a fingerprint cannot see] in overmind.shared.calls.keys). Each refill first
 checks that every file its loader read last time still has that size, mtime, inode, device and
 ctime; one that changed is skipped and forgotten (a client now computes another key, and loads
 the new weights as a miss). The loader's new fingerprints must equal the kept ones, else the
@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from overmind.shared.config import Config
+from overmind.shared.settings.config import Config
 from overmind.server.pool import LoadFailure, context_from_wire
 from overmind.server.registry import files_unchanged
 

@@ -6,7 +6,7 @@
 
 Note [Settling file segments]
 An entry whose weights were a model file's own pages is served from that file (Note
-[File-backed segments] in overmind.shared.memfd): ready the moment its loader has loaded, and
+[File-backed segments] in overmind.shared.segments.memfd): ready the moment its loader has loaded, and
 costing no fresh memory while the user's next runs start. While the page cache holds the file,
 a hit from it costs what a hit from a sealed memfd does (``benchmarks/file_segments.py``, its
 ControlNet script with ``monkey_patch_all()``, 5 interleaved triples, twice, 2026-11-26: 5.51
@@ -41,7 +41,7 @@ a time):
 
 Note [File segments stay mapped]
 Until it is copied, the settler keeps each file segment the page cache holds mapped here,
-read-only and shared, its page tables filled (``hold_pages`` in overmind.shared.memfd). The
+read-only and shared, its page tables filled (``hold_pages`` in overmind.shared.segments.memfd). The
 kernel drops only unmapped pages when asked to (``/proc/sys/vm/drop_caches``, ``POSIX_FADV_
 DONTNEED``) and reclaims mapped ones after those it can take more cheaply, so the pages a hit
 serves stay when the client that read them has exited, as a sealed copy's would, at no memory
@@ -77,8 +77,8 @@ import time
 from typing import Callable, Optional
 
 from overmind.server.registry import Registry, still_as_recorded
-from overmind.shared.memfd import RESIDENT, Segment, cached_share, hold_pages
-from overmind.shared.priority import to_idle
+from overmind.shared.segments.memfd import RESIDENT, Segment, cached_share, hold_pages
+from overmind.shared.process.priority import to_idle
 
 logger = logging.getLogger("overmind.server.settle")
 
@@ -280,7 +280,7 @@ class Settler:
             st = os.fstat(segment.fd)
             with self._lock:
                 self._settled_from[(st.st_dev, st.st_ino)] = ident
-            segment.collapse_to_huge_pages()  # Note [Huge pages for segments] in overmind.shared.memfd
+            segment.collapse_to_huge_pages()  # Note [Huge pages for segments] in overmind.shared.segments.memfd
         self.settled += 1
         self.settled_bytes += size
         logger.info("settled file segment %d:%d (%d bytes) into sealed memory for %d entries in %.1fs",

@@ -28,7 +28,7 @@ directory (``OVERMIND_STATE_DIR``, default ``$XDG_STATE_HOME/overmind``)::
   client sent for it, the installed modules its runs and loads imported, those it must not
   import, the variables its imports read, the interpreters that were warm, with the
   values of those variables each was keyed on, and the AOTInductor packages its runs loaded
-  (Note [AOTInductor packages are handed over] in overmind.shared.compiled: a preload checks the
+  (Note [AOTInductor packages are handed over] in overmind.shared.calls.compiled: a preload checks the
   file's fingerprint again, so a package changed meanwhile is never handed over).
 - ``entries``: the most recently used cache entries (MAX_ENTRIES), each the load call as the
   client sent it (the Load fields and the blob: what the loader replays), the fingerprints of
@@ -72,10 +72,10 @@ from typing import Optional
 
 from overmind import __version__
 from overmind.shared import protocol as P
-from overmind.shared.config import Config, ConfigError, ensure_private_dir, selecting_environment
-from overmind.shared.import_env import reads_from_wire
-from overmind.shared.compiled import packages_from_wire
-from overmind.shared.contexts import Context
+from overmind.shared.settings.config import Config, ConfigError, ensure_private_dir, selecting_environment
+from overmind.shared.settings.import_env import reads_from_wire
+from overmind.shared.calls.compiled import packages_from_wire
+from overmind.shared.protocol.contexts import Context
 
 logger = logging.getLogger("overmind.server.state")
 
@@ -521,5 +521,5 @@ class StateKeeper:
 
 
 def _lineage(context: dict) -> str:
-    """The lineage key (overmind.shared.contexts.Context.key) of a context as kept in the file."""
+    """The lineage key (overmind.shared.protocol.contexts.Context.key) of a context as kept in the file."""
     return Context(context["python"], tuple(sorted(context["env"].items()))).key

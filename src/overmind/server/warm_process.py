@@ -22,10 +22,10 @@ import threading
 import time
 
 from overmind.shared import protocol as P
-from overmind.shared.config import Config, open_runtime_file
-from overmind.shared.contexts import Context, RunSpec
-from overmind.shared.import_env import reads_from_wire
-from overmind.shared.priority import can_lift_idle, every_thread, to_normal
+from overmind.shared.settings.config import Config, open_runtime_file
+from overmind.shared.protocol.contexts import Context, RunSpec
+from overmind.shared.settings.import_env import reads_from_wire
+from overmind.shared.process.priority import can_lift_idle, every_thread, to_normal
 
 logger = logging.getLogger(__name__)
 

@@ -202,7 +202,7 @@ class Children:
 def _take_on_caller(spec: dict, matched_w: int) -> None:
     """In the run's child: become the caller's process (overmind.warm.match), closing ``matched_w``
     empty; or write why not to it and leave before anything of the run starts."""
-    from overmind.shared.traits import Traits
+    from overmind.shared.process.traits import Traits
     from overmind.warm.match import take_on
 
     traits = spec.get("traits") if isinstance(spec, dict) else None
@@ -266,7 +266,7 @@ def _report_modules_at_exit(fd: int) -> None:
 
     def report() -> None:
         try:
-            from overmind.shared.compiled import USED, used
+            from overmind.shared.calls.compiled import USED, used
             from overmind.warm.installed import installed_modules
 
             news = not held.issuperset(sys.modules)

@@ -15,7 +15,7 @@ subprocesses that ``dlopen`` a test library, ~0.14 s each: a fresh ``python`` pl
 compiler's path and version (``g++ --version``, ``g++ -v``), and the precompiled header's
 check (``g++ -E`` of ``cpp_prefix.h`` and ``openssl sha512`` of the result, ~0.2 s). A warm
 interpreter whose context's runs made those probes themselves (they compiled, or loaded an
-AOTInductor package: the mark ``overmind.shared.compiled.USED`` in their module reports;
+AOTInductor package: the mark ``overmind.shared.calls.compiled.USED`` in their module reports;
 importing ``torch._inductor`` says nothing, ``transformers`` does it) asks once, after its
 imports, so every child it forks starts with the answers; an AOTInductor package's load asks
 the same ISA question. Nothing here runs a kernel or leaves a thread running (Note [No
@@ -24,7 +24,7 @@ probes at once]): the probes are subprocesses, file reads and hashes. The answer
 - settings read from the environment (``CXX``, ``PATH``, ``TORCHINDUCTOR_CACHE_DIR``,
   ``TMPDIR``, ``ATEN_CPU_CAPABILITY``...) are recorded while priming, as while importing, so a
   run whose values differ is not forked from this interpreter (Note [Settings an import read]
-  in overmind.shared.import_env);
+  in overmind.shared.settings.import_env);
 - the compiler binary and the header behind the precompiled one are files the interpreter
   checks before each fork, as it checks its modules (Note [Warm interpreters] in
   overmind.warm.interpreter): a compiler or torch upgrade retires it;
@@ -89,7 +89,7 @@ import sys
 import threading
 import time
 
-from overmind.shared.compiled import fingerprint, forget, held, hold, refusal_name, spec_key
+from overmind.shared.calls.compiled import fingerprint, forget, held, hold, refusal_name, spec_key
 from overmind.warm.fork_safety import started_since, thread_ids
 
 logger = logging.getLogger(__name__)
@@ -127,8 +127,8 @@ class Priming:
 
     def step(self, reads) -> None:
         """One probe, the settings it reads recorded into ``reads`` (Note [Settings an import
-        read] in overmind.shared.import_env). Never raises."""
-        from overmind.shared.import_env import recording
+        read] in overmind.shared.settings.import_env). Never raises."""
+        from overmind.shared.settings.import_env import recording
 
         before = thread_ids()
         try:
@@ -209,7 +209,7 @@ def probe_vector_isas() -> None:
 
 def prime_inductor(reads=None) -> Priming:
     """Every probe now (Note [Inductor's probes, made once]); the warm interpreter steps instead."""
-    from overmind.shared.import_env import Reads
+    from overmind.shared.settings.import_env import Reads
 
     priming = Priming()
     priming.run(reads if reads is not None else Reads())
@@ -255,7 +255,7 @@ def _prime_header(codecache, config, cpp_builder, isa) -> list[str]:
 
 
 # -- AOTInductor packages loaded, never run: Note [AOTInductor packages are handed over] in
-# overmind.shared.compiled; refused = preload_warm(spec, reads, refused) ----------------------
+# overmind.shared.calls.compiled; refused = preload_warm(spec, reads, refused) ----------------------
 
 _failed: set = set()  # (spec_key, fingerprint) that raised when preloaded
 
@@ -310,10 +310,10 @@ def preload(spec: dict) -> str:
 
 def preload_warm(spec: dict, reads, refused) -> list[str]:
     """:func:`preload` in a warm interpreter, the settings it reads recorded into ``reads``
-    (Note [Settings an import read] in overmind.shared.import_env); the names to refuse: the
+    (Note [Settings an import read] in overmind.shared.settings.import_env); the names to refuse: the
     package's, if loading it started a thread nobody vouches for (Note [Threads libraries start]
     in overmind.warm.fork_safety)."""
-    from overmind.shared.import_env import recording
+    from overmind.shared.settings.import_env import recording
 
     name = refusal_name(spec)
     if name in refused:

@@ -1,11 +1,11 @@
 """What sealed segments already hold: the loader's side of storing each content once.
 
     store = SegmentContents(index)       # the server's content index, handed over with the job
-    packed = pack(model, store=store)    # overmind.shared.reductions asks store.find(digest, nbytes)
+    packed = pack(model, store=store)    # overmind.shared.segments.reductions asks store.find(digest, nbytes)
     store.fds, store.holders             # sent with the job's result, after its own segments
     store.close()
 
-See Note [Stored once by content] in overmind.shared.reductions and Note [Content index] in
+See Note [Stored once by content] in overmind.shared.segments.reductions and Note [Content index] in
 overmind.server.registry.
 
 Note [Found regions are checked]
@@ -44,7 +44,7 @@ from typing import Optional
 import xxhash
 
 from overmind.shared import protocol as P
-from overmind.shared.memfd import Segment, buffer_at
+from overmind.shared.segments.memfd import Segment, buffer_at
 from overmind.warm.file_backed import MappedFiles
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ PROBE = 64 << 10  # bytes compared before a storage is hashed whole: Note [Probi
 
 
 class SegmentContents:
-    """A :class:`overmind.shared.reductions.ContentStore` over the server's content index
+    """A :class:`overmind.shared.segments.reductions.ContentStore` over the server's content index
     (``Registry.content_index`` and the server's pid, as ``LoaderJob`` hands them over)."""
 
     def __init__(self, index: dict, server_pid: int, files: Optional[MappedFiles] = None) -> None:
@@ -115,7 +115,7 @@ class SegmentContents:
 
     def in_file(self, address: int, nbytes: int) -> Optional[tuple[int, int]]:
         """Where a storage is a model file's own pages, that file as one more segment of this
-        store (Note [File-backed segments] in overmind.shared.memfd)."""
+        store (Note [File-backed segments] in overmind.shared.segments.memfd)."""
         if self._files is None or len(self.fds) >= MAX_SEGMENTS:
             return None
         found = self._files.locate(address, nbytes)

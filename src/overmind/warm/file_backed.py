@@ -4,7 +4,7 @@
     files.locate(address, nbytes)            # -> (fd, size, dev, ino, offset in the file) or None
     files.close()                            # closes the files' fds
 
-See Note [File-backed segments] in overmind.shared.memfd.
+See Note [File-backed segments] in overmind.shared.segments.memfd.
 
 Note [A storage is the file's only where its pages are]
 A storage's bytes are the file's bytes at an offset only if (1) its whole range lies in one
@@ -26,7 +26,7 @@ import sys
 from bisect import bisect_right
 from typing import Optional
 
-from overmind.shared.memfd import ALIGNMENT
+from overmind.shared.segments.memfd import ALIGNMENT
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ _WRITTEN = bytes(int(bool(b & _SWAPPED or (b & _PRESENT and not b & _FILE_OR_SHA
 class MappedFiles:
     """Which of this process's storages are clean pages of a fingerprinted file (Note [A storage
     is the file's only where its pages are]). ``fingerprints``: the load's observed files, as
-    ``overmind.shared.calls.file_fingerprint`` records them ``[path, size, mtime_ns, ino, dev?, ctime_ns?]``."""
+    ``overmind.shared.calls.keys.file_fingerprint`` records them ``[path, size, mtime_ns, ino, dev?, ctime_ns?]``."""
 
     def __init__(self, fingerprints: list) -> None:
         self._wanted = {}

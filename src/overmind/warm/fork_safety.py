@@ -23,7 +23,7 @@ pyarrow's jemalloc starts ``jemalloc_bg_thd``). Each is judged by evidence:
   the pool's. ``import torch`` imports numpy: the one thread ``import torch`` was seen to
   start is this pool's, on a 2-CPU machine. A child's pool, started at its first BLAS call,
   has the size plain python's has (``OPENBLAS_*`` and ``OMP_*`` select the interpreter:
-  Note [Environment that selects an interpreter] in overmind.shared.config).
+  Note [Environment that selects an interpreter] in overmind.shared.settings.config).
 - jemalloc's background thread (``jemalloc_bg_thd``) is forked past: jemalloc's own fork
   handlers take its locks before the fork and reset them after, and the child runs with
   background threads off (the one way it differs from plain, in how freed memory is purged).

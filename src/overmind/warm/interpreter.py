@@ -82,8 +82,8 @@ import sys
 import time
 
 from overmind.shared import protocol as P
-from overmind.shared.import_env import Reads, differs, recording
-from overmind.shared.compiled import USED as INDUCTOR_USED
+from overmind.shared.settings.import_env import Reads, differs, recording
+from overmind.shared.calls.compiled import USED as INDUCTOR_USED
 from overmind.warm.children import Children
 from overmind.warm.compiled import PRIMING, Priming, compile_stack_held, forget_isa_list
 from overmind.warm.fork_safety import ThreadCensus, Refused, cuda_note
@@ -97,7 +97,7 @@ PREIMPORT = ("torch",)
 # Note [Warm interpreters never touch CUDA] in overmind.server.pool: imports that ask whether CUDA
 # is there (torch.cuda.is_available()) ask NVML, which does not initialise CUDA; each child
 # gets the caller's own value back.
-NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # in INTERPRETERS_OWN: never compared with a run's (overmind.shared.import_env)
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # in INTERPRETERS_OWN: never compared with a run's (overmind.shared.settings.import_env)
 # Seconds without a message from the server before a priming step starts: Note [Priming waits
 # for a pause] in overmind.warm.compiled.
 PRIME_AFTER_QUIET = 0.5
@@ -107,7 +107,7 @@ class Holdings:
     """What a warm interpreter holds, and whether a fork may copy it: the modules it imported,
     each under watch (Note [Forking only past what a fork keeps]), the files they came from
     (Note [Warm interpreters]), the settings their imports read (Note [Settings an import read]
-    in overmind.shared.import_env: only news travels to the server), what it learned for its
+    in overmind.shared.settings.import_env: only news travels to the server), what it learned for its
     successor and the modules kept out of its context's interpreters."""
 
     def __init__(self) -> None:
@@ -117,7 +117,7 @@ class Holdings:
         self.refused_modules: set[str] = set()
         self.failed_modules: set[str] = set()  # Note [A failed import is not a refusal]
         self.tainted = False  # the last import_ started a thread nobody vouches for
-        self.reads = Reads()  # Note [Settings an import read] in overmind.shared.import_env
+        self.reads = Reads()  # Note [Settings an import read] in overmind.shared.settings.import_env
         self.told: tuple[set, set] = (set(), set())  # the names and prefixes the server has heard of
 
     def known(self, name: str) -> bool:
@@ -134,7 +134,7 @@ class Holdings:
                 continue
             self.reads.unbounded = ""
             failed, installed, before = None, False, set(sys.modules)
-            # Note [Settings an import read] in overmind.shared.import_env; find_spec imports the parent package
+            # Note [Settings an import read] in overmind.shared.settings.import_env; find_spec imports the parent package
             with recording(self.reads), self.census.watching(self.refused_modules, name) as watch:
                 try:
                     installed = _installed(name)
@@ -142,7 +142,7 @@ class Holdings:
                         importlib.import_module(name)
                 except BaseException as err:  # noqa: BLE001 - a module that fails here costs the run an import
                     failed = err
-            if self.reads.unbounded:  # Note [Settings an import read] in overmind.shared.import_env: not followed
+            if self.reads.unbounded:  # Note [Settings an import read] in overmind.shared.settings.import_env: not followed
                 logger.debug("importing %s read the environment untraced (%s)", name, self.reads.unbounded)
             culprits = self.census.culprits(watch) if self.census.own else {}
             for culprit, threads in culprits.items():
@@ -217,7 +217,7 @@ class WarmInterpreter:
         self.retiring = False
         self.to_learn: list[str] = []
         self.to_preload: list[dict] = []  # AOTInductor packages: Note [AOTInductor packages are handed over]
-        self.compiles = False  # its context's runs made Inductor's probes (overmind.shared.compiled)
+        self.compiles = False  # its context's runs made Inductor's probes (overmind.shared.calls.compiled)
         self.priming: Priming | None = None  # Note [Inductor's probes, made once] in overmind.warm.compiled
         self.last_message = time.monotonic()  # from the server, on the control socket
         self.unforkable = ""  # Note [A tainted interpreter says so at once]: why, once it said so
@@ -238,8 +238,8 @@ class WarmInterpreter:
         os.environ[NVML_CHECK] = "1"
         imported = self.held.import_(PREIMPORT)
         with recording(self.held.reads):
-            import overmind.shared.quirks  # noqa: F401  (torch-side helpers before forking)
-            import overmind.shared.reductions  # noqa: F401
+            import overmind.shared.segments.quirks  # noqa: F401  (torch-side helpers before forking)
+            import overmind.shared.segments.reductions  # noqa: F401
             import overmind.warm.script  # noqa: F401  (what every run imports first)
 
         self.held.census.take()  # Note [Forking only past what a fork keeps]: what runs now is its own
@@ -282,14 +282,14 @@ class WarmInterpreter:
                 self.held.refused_modules.add(PRIMING)  # the context's next interpreters do not prime
 
     def _to_preload(self, packages) -> None:
-        from overmind.shared.compiled import packages_from_wire, spec_key
+        from overmind.shared.calls.compiled import packages_from_wire, spec_key
 
         queued = {spec_key(p) for p in self.to_preload}
         self.to_preload += [p for p in packages_from_wire(packages) if spec_key(p) not in queued]
 
     def _preload_one(self) -> None:
         """One AOTInductor package loaded, never run: Note [AOTInductor packages are handed over] in
-        overmind.shared.compiled."""
+        overmind.shared.calls.compiled."""
         from overmind.warm.compiled import preload_warm
 
         yielding = _yield_cpu()
@@ -344,7 +344,7 @@ class WarmInterpreter:
             pass
 
     def _to_learn(self, names) -> None:
-        self.compiles = self.compiles or INDUCTOR_USED in names  # the mark goes on as a name: overmind.shared.compiled
+        self.compiles = self.compiles or INDUCTOR_USED in names  # the mark goes on as a name: overmind.shared.calls.compiled
         new = [n for n in pytest_runs.learnable(names)  # Note [pytest rewrites what it imports]
                if isinstance(n, str) and not self.held.known(n) and n not in self.to_learn]
         if not self.unforkable:  # Note [A tainted interpreter says so at once]: its successor learns them
@@ -442,7 +442,7 @@ class WarmInterpreter:
                                                      refused=sorted(self.held.refused_modules),
                                                      environ=self.held.news()))
             return
-        if isinstance(message, P.Fork):  # Note [Settings an import read] in overmind.shared.import_env
+        if isinstance(message, P.Fork):  # Note [Settings an import read] in overmind.shared.settings.import_env
             env = message.spec.get("env") if isinstance(message.spec, dict) else None
             reads = self.held.reads
             why = differs(env if isinstance(env, dict) else {}, os.environ, reads.names, reads.prefixes)
@@ -495,7 +495,7 @@ class WarmInterpreter:
 
 def _index_bound_names() -> None:
     """The pass over every module that a run's ``monkey_patch_all()`` would make, made here
-    once, before forking: Note [Names bound before patching] in overmind.shared.bound_names."""
+    once, before forking: Note [Names bound before patching] in overmind.shared.patching.bound_names."""
     from overmind.shared import patching
     from overmind.api import DEFAULT_PATCH_POINTS
 
@@ -590,7 +590,7 @@ def interpreter_main(control_fd: int) -> None:
 def _log_to_server() -> None:
     """Our records and our loaders' go to stderr, the server's log, as the server's own do; a
     run's child takes this back (``overmind.warm.script``): its overmind records are the user's."""
-    from overmind.shared.config import LOG_FORMAT, LOG_LEVELS
+    from overmind.shared.settings.config import LOG_FORMAT, LOG_LEVELS
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))

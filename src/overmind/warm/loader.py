@@ -5,21 +5,21 @@ Runs in a child forked from a warm interpreter (``overmind.warm.interpreter``), 
     run_job(job, blob, job_sock)     # -> JobResult or JobFailed on job_sock; the exit code
 
 The child unpickles the call (rebuilding ``vae=vae``-style arguments from the entries the
-server hands it: Note [The loader is handed its references] in ``overmind.server.loads``),
+server hands it: Note [The loader is handed its references] in ``overmind.server.loaders``),
 calls the original, unpatched load function, strips what does not survive pickling
-(``overmind.shared.quirks``), packs the result into new sealed segments and sends their fds
+(``overmind.shared.segments.quirks``), packs the result into new sealed segments and sends their fds
 and the skeleton to the server. Then it exits; see Note [Warm interpreters never touch CUDA]
 in ``overmind.server.pool``.
 
 Note [Hashing a file's storages after the answer]
 Every storage of 64 KiB or more is hashed as it is packed, so that a later load can find its
-bytes (Note [Stored once by content] in overmind.shared.reductions). For a storage that stays
-in its model file (Note [File-backed segments] in overmind.shared.memfd) that hash was nearly
+bytes (Note [Stored once by content] in overmind.shared.segments.reductions). For a storage that stays
+in its model file (Note [File-backed segments] in overmind.shared.segments.memfd) that hash was nearly
 all of the pack: the LM of ``overmind-bench`` (2.1 GB of bf16 safetensors, every weight in the
 file; packed in one process after its plain load, profiled) took 0.74 s to pack, 0.60 s of it
 xxh3 over pages the loader had not touched yet, and ``overmind run``'s run 2, started 0.1 s
 after run 1 exited, found its fill still packing and loaded plainly beside it (Note [Joining a
-fill] in overmind.server.fills). Yet the entry needs no hash: only a later load's pack does, to
+fill] in overmind.server.joins). Yet the entry needs no hash: only a later load's pack does, to
 find these bytes. So a pack large enough to report its progress leaves a storage it places in a
 file unhashed when no region of the index could hold it (Note [Probing before hashing] in
 overmind.warm.dedup); the loader answers, then hashes those at idle priority and sends their
@@ -91,7 +91,7 @@ class _Progress:
 
     Note [Progress of a pack]
     A caller that finds its key filling decides between waiting and loading plainly on how
-    long the fill should still take (Note [Joining a fill] in overmind.server.fills). The loader
+    long the fill should still take (Note [Joining a fill] in overmind.server.joins). The loader
     knows: before packing it counts the bytes of the result's storages (those of the
     arguments handed back unchanged left out: they are not packed again), then reports the
     bytes in place every PROGRESS_INTERVAL seconds, counted by the fill threads as each
@@ -158,7 +158,7 @@ class FileObserver:
     loader therefore records every regular file opened for reading while the original
     runs, plus every file mapped into the process by then (safetensors maps its files from
     Rust, unseen by Python's audit events). The server re-checks these fingerprints (ctime
-    included: Note [What a fingerprint cannot see] in overmind.shared.calls) on every hit and treats
+    included: Note [What a fingerprint cannot see] in overmind.shared.calls.keys) on every hit and treats
     a change as a miss; the client checks it can still read them (Note [A hit needs the
     caller's read permission] in overmind.client.connection). Files under the interpreter's own prefixes
     (the libraries themselves) are left out: their versions are in the key.
@@ -192,7 +192,7 @@ class FileObserver:
         return found
 
     def fingerprints(self, before_maps: set[str]) -> list[list]:
-        from overmind.shared.calls import file_fingerprint
+        from overmind.shared.calls.keys import file_fingerprint
 
         out = []
         for path in sorted(self.paths | (self.mapped() - before_maps)):
@@ -210,7 +210,7 @@ class FileObserver:
 class _Handed:
     """What the server hands a loader on its job socket before the call: the entries the call
     refers to and the content index (Note [The loader is handed its references] in
-    overmind.server.loads). ``rebuild(key)`` gives each entry's object, once."""
+    overmind.server.loaders). ``rebuild(key)`` gives each entry's object, once."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.entries: dict[str, tuple[P.Entry, bytes, list[int]]] = {}
@@ -233,8 +233,8 @@ class _Handed:
     def rebuild(self, key: str) -> Any:
         if key in self.built:
             return self.built[key]
-        from overmind.shared.memfd import Segment
-        from overmind.shared.reductions import unpack
+        from overmind.shared.segments.memfd import Segment
+        from overmind.shared.segments.reductions import unpack
 
         if key not in self.entries:
             raise LookupError(f"the server handed over no entry {key[:16]}, which the call refers to")
@@ -255,10 +255,10 @@ class _Handed:
 
 def _context_environment() -> None:
     """A load runs in its context's environment (Note [Environment that selects an interpreter] in
-    overmind.shared.config), also in an interpreter that a run started under that run's whole
+    overmind.shared.settings.config), also in an interpreter that a run started under that run's whole
     environment (Note [A run's interpreter imports under the run's environment] in overmind.server.pool):
     another shell's other variables (proxies, credentials, a script's own settings) stay out of it."""
-    from overmind.shared.config import selecting_environment
+    from overmind.shared.settings.config import selecting_environment
 
     keep = set(selecting_environment(os.environ))
     for name in [n for n in os.environ if n not in keep and not n.startswith("OVERMIND_")]:
@@ -292,12 +292,13 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
     try:
         _context_environment()
         sys.path[:] = job.sys_path
-        from overmind.shared import callstate, quirks
-        from overmind.shared.calls import decode_call
+        from overmind.shared.calls import callstate
+        from overmind.shared.segments import quirks
+        from overmind.shared.calls.keys import decode_call
         from overmind.warm.dedup import SegmentContents
         from overmind.warm.file_backed import MappedFiles
-        from overmind.shared.reductions import pack
-        from overmind.shared.replay import Recorder
+        from overmind.shared.segments.reductions import pack
+        from overmind.shared.calls.replay import Recorder
 
         handed = _Handed(job_sock)
         call = decode_call(blob, handed.rebuild)
@@ -327,14 +328,14 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
                                    "end": base64.b64encode(callstate.encode_rng(drew)).decode()}
         files = observer.fingerprints(maps_before)
         loaded = time.monotonic()
-        # Note [Results that cannot be rebuilt] in overmind.shared.quirks: before the hooks are stripped.
+        # Note [Results that cannot be rebuilt] in overmind.shared.segments.quirks: before the hooks are stripped.
         code = P.ErrorCode.NOT_REBUILDABLE
         quirks.check_rebuildable(result)
         code = P.ErrorCode.CANNOT_CACHE
         quirks.prepare_for_pickle(result)
         # Arguments handed back unchanged travel as references: the client puts its own object there.
         references = {id(obj): key for key, obj in refs.items() if _state_of(obj) == before[key]}
-        mapped_files = MappedFiles(files)  # Note [File-backed segments] in overmind.shared.memfd
+        mapped_files = MappedFiles(files)  # Note [File-backed segments] in overmind.shared.segments.memfd
         store = SegmentContents(handed.index, handed.index.get("server_pid", 0), mapped_files)
         handed_back: set = set()  # their storages are not packed again: the client supplies them
         for obj in refs.values():
@@ -375,7 +376,7 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
         return 1
     segments = [seg for seg in packed.segments if seg is not None]
     if packed.unhashed or any(seg.huge for seg in segments):
-        from overmind.shared.priority import every_thread, to_idle
+        from overmind.shared.process.priority import every_thread, to_idle
 
         every_thread(os.getpid(), to_idle)  # what is left runs behind the served entry, on CPU nobody wants
     if packed.unhashed:
@@ -390,7 +391,7 @@ def run_job(job: P.Job, blob: bytes, job_sock: socket.socket) -> int:
 def _hash_behind(job_sock: socket.socket, key: str, unhashed: list) -> None:
     """After the answer, at idle priority: hash the storages the pack left in their files
     unhashed and send their contents records (Note [Hashing a file's storages after the answer])."""
-    from overmind.shared.reductions import hash_regions
+    from overmind.shared.segments.reductions import hash_regions
 
     started = time.monotonic()
     try:
@@ -404,7 +405,7 @@ def _hash_behind(job_sock: socket.socket, key: str, unhashed: list) -> None:
 
 def _collapse_behind(segments: list) -> None:
     """After the answer, at idle priority: rebuild the new segments out of huge pages while
-    the entry is already served (Note [Huge pages for segments] in overmind.shared.memfd). The
+    the entry is already served (Note [Huge pages for segments] in overmind.shared.segments.memfd). The
     server counts this loader among those exiting until it exits (EOF on ``job_sock``)."""
     if not any(seg.huge for seg in segments):
         return

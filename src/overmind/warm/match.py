@@ -6,7 +6,7 @@ Note [A hand-over is the same process or none]
 (ARCHITECTURE.md, invariant 15: A hand-over is the same process or none.) A warm interpreter
 was started by the server, so a child forked from it has the server's cgroups, limits,
 scheduling and credentials, not those of the process that asked for the run. Before any of
-the run's code, the child takes on the caller's (``overmind.shared.traits``):
+the run's code, the child takes on the caller's (``overmind.shared.process.traits``):
 - its cgroup in every hierarchy, by writing its pid to that cgroup's ``cgroup.procs``, so the
   run's memory and CPU are counted where the user's limits are;
 - its resource limits (``setrlimit``), nice value, scheduling policy and CPU affinity, in that
@@ -29,8 +29,8 @@ from __future__ import annotations
 import os
 import resource
 
-from overmind.shared.host_memory import below_mount, cgroup_mounts
-from overmind.shared.traits import RLIMITS, Traits, differences
+from overmind.shared.settings.host_memory import below_mount, cgroup_mounts
+from overmind.shared.process.traits import RLIMITS, Traits, differences
 from overmind.warm.oom import CannotMatch
 
 __all__ = ["take_on", "CannotMatch", "cgroup_procs_file"]

@@ -14,7 +14,7 @@ as a forked process can be, the ``python`` the user would have started from thei
 
     warm.installed_modules()   # at the end of a run: what the next warm interpreter should pre-import
 
-The spec is a ``RunSpec`` on the wire (overmind.shared.contexts): mode, target, argv, cwd, the
+The spec is a ``RunSpec`` on the wire (overmind.shared.protocol.contexts): mode, target, argv, cwd, the
 whole environment, umask and the signals the caller's shell ignored.
 
 What the warm interpreter must do: ``gc.freeze()`` before each fork (a run's garbage collections and its
@@ -31,7 +31,7 @@ A fork inherits what no Python code can undo; these differ from a fresh ``python
 - What CPython reads once, at start: ``sys.flags``, ``sys._xoptions``, ``sys.warnoptions``, the
   filesystem encoding and ``open()``'s UTF-8 mode, sys.path from PYTHONPATH and site. The
   server keys warm interpreters on those variables (``ENV_NAMES``: Note [Environment that selects an
-  interpreter] in overmind.shared.config).
+  interpreter] in overmind.shared.settings.config).
 - Pre-imported modules stay imported, and their import-time work happened in the warm interpreter: its
   output and warnings went to the warm interpreter's log, module constants read the warm interpreter's environment
   (huggingface_hub.constants, libgomp's OMP_NUM_THREADS) and clock (logging's relativeCreated
@@ -48,7 +48,7 @@ A fork inherits what no Python code can undo; these differ from a fresh ``python
   started: ``signal.getsignal()`` says SIG_DFL, not None, for the signals it catches.
 - Module teardown is not replayed at exit: __main__'s globals are released (their ``__del__``
   runs) and every file left open is flushed, but objects held only by other modules are not
-  finalized (Note [Output is never lost at exit] in overmind.shared.teardown).
+  finalized (Note [Output is never lost at exit] in overmind.shared.process.teardown).
 - torch (2.13) seeds its default CPU generator from OS entropy at start, so ``torch.randn(3)``
   of a fresh interpreter is already unrepeatable; a run reseeds it the same way.
 """
@@ -74,8 +74,8 @@ import traceback
 import types
 from typing import Callable, NoReturn
 
-from overmind.shared import teardown
-from overmind.shared.contexts import RunSpec, mark_warm_run
+from overmind.shared.process import teardown
+from overmind.shared.protocol.contexts import RunSpec, mark_warm_run
 from overmind.warm import startup
 from overmind.warm.installed import RUN_FOLDERS, installed_modules  # noqa: F401  (installed_modules: re-exported)
 
@@ -461,7 +461,7 @@ def _finalize(status: int) -> int:
     os._exit() skips the teardown in which a fresh python closes what is still open. So after
     the flush, __main__'s globals are released as that teardown would (their __del__ runs),
     every file object the run left open is flushed (Note [Output is never lost at exit] in
-    overmind.shared.teardown), and stdout and stderr once more."""
+    overmind.shared.process.teardown), and stdout and stderr once more."""
     if (threading := sys.modules.get("threading")) is not None:
         try:
             threading._shutdown()
@@ -508,7 +508,7 @@ def _release_main(threading: types.ModuleType | None) -> None:
 
 def _flush_left_open() -> None:
     """Flush the files the run left open (Note [Output is never lost at exit] in
-    overmind.shared.teardown). What the warm interpreter froze with gc.freeze() is not even looked at."""
+    overmind.shared.process.teardown). What the warm interpreter froze with gc.freeze() is not even looked at."""
     skip = {id(s) for s in _INTERPRETER_STREAMS} | {id(getattr(s, "buffer", None)) for s in _INTERPRETER_STREAMS}
     skip |= {id(sys.stdout), id(sys.stderr)}  # _flush_std's
     teardown.flush_left_open(skip)

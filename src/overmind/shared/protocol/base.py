@@ -31,14 +31,14 @@ class ErrorCode:
     SHUTTING_DOWN = 8
     TOO_LARGE = 9
     INTERNAL = 10
-    BUSY = 11  # too many connections: Note [Every peer is bounded] in overmind.server.daemon
+    BUSY = 11  # too many connections: Note [Every peer is bounded] in overmind.server.connections
     NOT_FORKABLE = 12  # a warm interpreter that changed (stale modules, a new thread) refuses to fork
     CANNOT_CACHE = 13  # the original returned, but its result could not be cached (pickling, packing)
     # The result's weights are not in it (disk offload): callers load plainly, silently, and the
-    # server remembers the key. Note [Results that cannot be rebuilt] in overmind.shared.quirks.
+    # server remembers the key. Note [Results that cannot be rebuilt] in overmind.shared.segments.quirks.
     NOT_REBUILDABLE = 14
     # A run's environment differs from the one a warm interpreter's imports read (Note [Settings an
-    # import read] in overmind.shared.import_env): the run goes plain; the interpreter stays.
+    # import read] in overmind.shared.settings.import_env): the run goes plain; the interpreter stays.
     ENV_DIFFERS = 15
 
     @classmethod

@@ -59,7 +59,7 @@ class Load(Message):
 class PlainLoaded(Message):
     """A client that got ``Pending`` ran the original itself, in ``seconds``; no answer. The
     server weighs a later caller's wait for the fill against it (Note [Joining a fill] in
-    overmind.server.fills), and the fill's warm interpreter imports ``modules``, what that
+    overmind.server.joins), and the fill's warm interpreter imports ``modules``, what that
     load imported, before it forks the loader (Note [Cold fills wait for their caller])."""
 
     TYPE: ClassVar[int] = 17
@@ -133,7 +133,7 @@ class Fds(Message):
 
 
 # Type 15 was GetContents, a loader asking the server: loaders are handed the index now (Note
-# [The loader is handed its references] in overmind.server.loads). Never reuse a number.
+# [The loader is handed its references] in overmind.server.loaders). Never reuse a number.
 @message
 class Contents(Message):
     """The content index, as JSON in the blob: ``{"keys": [entry key, ...], "regions":
@@ -218,7 +218,7 @@ class Run(Message):
     connection to the warm interpreter, which answers RunStarted and, at the end, RunExited."""
 
     TYPE: ClassVar[int] = 30
-    context: dict  # python, env: which warm interpreter (overmind.shared.contexts.Context)
+    context: dict  # python, env: which warm interpreter (overmind.shared.protocol.contexts.Context)
     spec: dict  # mode, target, argv, cwd, env, umask: what the child becomes (overmind.warm.script.become)
 
 
@@ -253,7 +253,7 @@ class Warm(Message):
     TYPE: ClassVar[int] = 45
     modules: list
     refused: list = []  # never to import: they started a thread (Note [Threads libraries start])
-    packages: list = []  # AOTInductor packages to preload (Note [AOTInductor packages are handed over] in overmind.shared.compiled)
+    packages: list = []  # AOTInductor packages to preload (Note [AOTInductor packages are handed over] in overmind.shared.calls.compiled)
 
 
 @message
@@ -279,7 +279,7 @@ class InterpreterReady(Message):
     pid: int
     imported: list
     refused: list = []  # modules that started a thread when imported: never to be pre-imported again
-    environ: dict = {}  # names and prefixes its imports read (Note [Settings an import read] in overmind.shared.import_env)
+    environ: dict = {}  # names and prefixes its imports read (Note [Settings an import read] in overmind.shared.settings.import_env)
 
 
 @message
@@ -301,7 +301,7 @@ class JobStarted(Message):
     pid: int
     modules: int = 0  # installed modules the interpreter holds now
     learned: list = []  # installed modules runs imported that it did not hold (for its successor)
-    environ: dict = {}  # names and prefixes its imports read since it last said (overmind.shared.import_env)
+    environ: dict = {}  # names and prefixes its imports read since it last said (overmind.shared.settings.import_env)
     # Why it can fork no more ("": it can), and the modules kept out of its successor: it started
     # this job's loader as a fresh process (Note [A fill never waits for a fork] in overmind.warm.interpreter).
     unforkable: str = ""
@@ -343,7 +343,7 @@ class LoadMeta(Message):
     files: list = []  # [[path, size, mtime_ns, ino, dev, ctime_ns]]: Note [Observed files] in overmind.warm.loader
     deduplicated: int = 0  # bytes referenced in other entries' segments instead of written
     contents: list = []  # [[digest hex, nbytes, slot, offset]]: Note [Content index] in overmind.server.registry
-    # Note [Loads that draw random numbers] in overmind.shared.callstate: {} when the load drew none,
+    # Note [Loads that draw random numbers] in overmind.shared.calls.callstate: {} when the load drew none,
     # else {"start": digest of the states it started from, "end": base64 of the states it left}.
     rng: dict = {}
     events: list = []  # warnings and log records to replay: Note [Replayed warnings and log records]
@@ -359,7 +359,7 @@ class LoadMeta(Message):
 @message
 class FillProgress(Message):
     """A loader packing its result says how far it is, now and then, before its answer
-    (Note [Joining a fill] in overmind.server.fills): bytes in place and the bytes it expects."""
+    (Note [Joining a fill] in overmind.server.joins): bytes in place and the bytes it expects."""
 
     TYPE: ClassVar[int] = 48
     key: str
@@ -388,7 +388,7 @@ class JobFailed(Message):
     message: str
     traceback: str = ""
     refused: list = []  # a warm interpreter's modules that started a thread, for its successor
-    environ: dict = {}  # names and prefixes its imports read since it last said (overmind.shared.import_env)
+    environ: dict = {}  # names and prefixes its imports read since it last said (overmind.shared.settings.import_env)
 
 
 @message
@@ -400,7 +400,7 @@ class Unforkable(Message):
     TYPE: ClassVar[int] = 49
     why: str
     refused: list = []  # the modules to keep out of its successor
-    environ: dict = {}  # names and prefixes its imports read since it last said (overmind.shared.import_env)
+    environ: dict = {}  # names and prefixes its imports read since it last said (overmind.shared.settings.import_env)
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {

@@ -19,8 +19,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     import socket
 
-    from overmind.shared.config import Config
-    from overmind.shared.contexts import RunSpec
+    from overmind.shared.settings.config import Config
+    from overmind.shared.protocol.contexts import RunSpec
 
 __all__ = ["hand_off", "wait_for", "exit_like"]
 
@@ -56,8 +56,8 @@ def hand_off(python: str, spec: RunSpec, config: Config) -> tuple[socket.socket,
 
 def _hand_off(python: str, spec: RunSpec, config: Config) -> tuple[socket.socket, int] | None:
     from overmind.shared import protocol as P
-    from overmind.shared.connect import handshake, server_holding, start_server
-    from overmind.shared.contexts import caller_context
+    from overmind.shared.protocol.connect import handshake, server_holding, start_server
+    from overmind.shared.protocol.contexts import caller_context
 
     try:
         sock, _, _ = handshake(config, "run")

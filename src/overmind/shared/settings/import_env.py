@@ -29,7 +29,7 @@ the interpreter imports, ``os.environ``'s class is swapped for one that records:
 A run is forked only where its values of every recorded name and prefix equal the interpreter's;
 the server keys interpreters on the caller's values of the names its context's interpreters
 reported, so a caller with other values gets an interpreter imported under its own
-(Note [Environment that selects an interpreter] in overmind.shared.config). Not seen: ``os.environb``,
+(Note [Environment that selects an interpreter] in overmind.shared.settings.config). Not seen: ``os.environb``,
 ``os.environ._data`` and C ``getenv`` (torch's C++ reads TORCH_*, OpenMP reads OMP_*): those
 stay covered by ENV_PREFIXES. ``OVERMIND_*`` is never recorded: the server sets the
 interpreter's own, and overmind reads its settings when called, not when imported.

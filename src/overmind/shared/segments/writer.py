@@ -1,5 +1,5 @@
 """Filling one new sealed segment from a thread of its own: the packing side of
-``overmind.shared.reductions``.
+``overmind.shared.segments.reductions``.
 
     writer = SegmentWriter("unet.0", progress)        # one per fill thread
     offset = writer.reserve(nbytes, address)          # where the storage goes
@@ -25,7 +25,7 @@ Note [Large storages on huge pages]
 A storage of ``HUGE_PAGE`` (2 MiB) bytes or more starts on a 2 MiB offset of its segment
 (plus its cache-line misalignment) where that skips at most 1/16 of its size, so its
 pages are whole huge pages of its own where the kernel backs segments with them (Note
-[Huge pages for segments] in ``overmind.shared.memfd``); others start on a page, as before.
+[Huge pages for segments] in ``overmind.shared.segments.memfd``); others start on a page, as before.
 The gap left before an aligned storage is not wasted: smaller storages packed later
 fill it first-fit (page- or cache-line-aligned as before). On overmind-bench's ``base``
 models this aligns 72% of the large storages' bytes for 0.65% more segment size
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from overmind.shared.memfd import ALIGNMENT, HUGE_PAGE, Segment, align_up, buffer_at
+from overmind.shared.segments.memfd import ALIGNMENT, HUGE_PAGE, Segment, align_up, buffer_at
 
 __all__ = ["SegmentWriter"]
 
@@ -102,7 +102,7 @@ class SegmentWriter:
         self.pending.append(self.pool.submit(self._write, offset, address, nbytes, keep))
 
     def _write(self, offset: int, address: int, nbytes: int, keep: object) -> None:
-        # See Notes [Filling by pwrite] and [Huge pages for segments] in overmind.shared.memfd.
+        # See Notes [Filling by pwrite] and [Huge pages for segments] in overmind.shared.segments.memfd.
         self.segment.write_at(offset, buffer_at(address, nbytes))
         if self.progress is not None:
             self.progress(nbytes)

@@ -5,7 +5,7 @@
     call.key, call.blob, call.refs
 
 The blob is a pickle of ``(target spec, args, kwargs, keyed state)`` followed by a pickle of
-the caller's random generator states (``overmind.shared.callstate``); objects that overmind
+the caller's random generator states (``overmind.shared.calls.callstate``); objects that overmind
 returned earlier (``vae=vae``) travel as ``("entry", key)`` persistent ids and the
 loader rebuilds them from the cache. The key hashes (xxh3-128) the first pickle
 (never the generator states: Note [Loads that draw random numbers]) together with a fingerprint of every local file the arguments name and of the
@@ -16,7 +16,7 @@ A call goes straight to the original load function when an argument has no stabl
 identity: a tensor, a file-like object, a function or other callable (a callable
 ``map_location``), a model that overmind did not load, or anything pickle cannot
 reach by reference; or when the process is in a state the loader cannot reproduce
-(Note [Process-global state of a load] in ``overmind.shared.callstate``). Such a call raises
+(Note [Process-global state of a load] in ``overmind.shared.calls.callstate``). Such a call raises
 :class:`Uncacheable` here, never in the loader.
 
 Note [Canonical arguments]
@@ -119,7 +119,7 @@ class DecodedCall:
     args: tuple
     kwargs: dict
     references: dict  # entry key -> the rebuilt object
-    keyed_state: dict  # overmind.shared.callstate.keyed_state() of the caller
+    keyed_state: dict  # overmind.shared.calls.callstate.keyed_state() of the caller
     rng: bytes  # the caller's encoded generator states
 
 
@@ -361,7 +361,7 @@ def _describe(target: Target, args: tuple, kwargs: dict) -> str:
 def encode_call(target: Target, args: tuple, kwargs: dict, origin_of: Callable[[Any], Optional[str]]) -> EncodedCall:
     import xxhash
 
-    from overmind.shared import callstate
+    from overmind.shared.calls import callstate
 
     reason = callstate.bypass_reason()
     if reason is not None:

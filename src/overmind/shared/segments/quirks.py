@@ -33,7 +33,7 @@ past ``max_memory``, ``offload_folder``) leaves parameters on the meta device an
 Stripping the hooks (``prepare_for_pickle``) would leave an empty shell, and the hooks
 themselves do not travel. So such a result is not cached: the loader answers NOT_REBUILDABLE
 before packing, the server remembers the key (Note [Only deterministic failures are
-remembered] in ``overmind.server.fills``) and counts its calls ``not_cacheable``, and callers load
+remembered] in ``overmind.server.failures``) and counts its calls ``not_cacheable``, and callers load
 plainly without a warning, under ``OVERMIND_STRICT=1`` too: plain python does this load
 fine, and so do we, just not from the cache. The check looks at tensors' devices and the
 hooks' settings only (no data is read), and must run while the hooks are still there.
@@ -198,7 +198,7 @@ def register_reducers() -> list[type]:
         if isinstance(cls, type):
             classes.append(cls)
     if classes:
-        from overmind.shared.reductions import register_reducer  # torch is loaded: the library imported it
+        from overmind.shared.segments.reductions import register_reducer  # torch is loaded: the library imported it
 
         for cls in classes:
             register_reducer(cls, reduce_parameter_subclass)

@@ -2,7 +2,7 @@
 
 Standard library only (the server never imports torch)::
 
-    from overmind.shared.host_memory import HostMemory
+    from overmind.shared.settings.host_memory import HostMemory
     memory = HostMemory.read()       # or HostMemory.read("/tmp/fake-root") in tests
     memory.limit                     # Limit(bytes=12884901888, source="cgroup v2 memory.max of /user.slice", ...)
     memory.available()               # bytes we may still take before the tightest limit bites

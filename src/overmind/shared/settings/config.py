@@ -2,7 +2,7 @@
 
 Standard library only (the server imports it)::
 
-    from overmind.shared.config import Config
+    from overmind.shared.settings.config import Config
     cfg = Config.from_env()
     cfg.socket_path          # <runtime dir>/server.sock
 
@@ -27,7 +27,7 @@ The client's settings (your scripts' environment):
                            the run to a warm interpreter; by default (or ``1``) it does where
                            that is safe (overmind.client.warm_start).
 ``OVERMIND_NO_EXT``        ``1``: install and run without the compiled ``overmind._C``
-                           (read by ``setup.py`` and ``overmind.shared.native``).
+                           (read by ``setup.py`` and ``overmind.shared.segments.native``).
 =========================  =========================================================
 
 The server's settings are each also a flag of ``overmind-server`` (``OVERMIND_WARM_MAX`` is
@@ -47,7 +47,7 @@ serves pods that share their node's server: deploy/example-pod.yaml):
                            background, to get a warm interpreter ready for this
                            process.
 ``OVERMIND_QUICK_EXIT``    ``0``: ``monkey_patch_all()`` leaves the interpreter's teardown as
-                           it is (Note [The drop-in leaves quickly] in overmind.shared.teardown).
+                           it is (Note [The drop-in leaves quickly] in overmind.shared.process.teardown).
 =========================  =========================================================
 
 Yes/no settings take ``1``, ``true``, ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off``
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 __all__ = ["Config", "ConfigError", "default_runtime_dir", "default_state_dir", "ensure_private_dir",
            "open_runtime_file", "lock_within", "warm_start_enabled",
            "write_runtime_file", "read_runtime_file", "patching_disabled", "prestart_enabled",
-           "extra_patch_points", "flag", "selecting_environment", "ENV_PREFIXES", "ENV_NAMES", "FLAG_SPELLINGS",
+           "flag", "selecting_environment", "ENV_PREFIXES", "ENV_NAMES", "FLAG_SPELLINGS",
            "LOG_LEVELS", "LOG_FORMAT", "COLD_MODES", "PREPARE_VARIABLE"]
 
 # Environment a loader inherits from the client (and that selects its warm interpreter).
@@ -105,7 +105,7 @@ PREPARE_VARIABLE = "OVERMIND_PREPARE_PYTHON"
 #   (WarmPool.with_reads), and an interpreter forks a run only when the run's values equal
 #   what its imports read. A caller with other values is served by an interpreter imported
 #   under its own, after one plain run that says why: Note [Settings an import read] in
-#   overmind.shared.import_env.
+#   overmind.shared.settings.import_env.
 # Everything else (a script's own settings, DISPLAY, SSH_*, terminal variables) reaches each
 # run through its own environment but does not select an interpreter: keying on all of it
 # would start an interpreter per terminal, and no import read it.
@@ -114,7 +114,7 @@ PREPARE_VARIABLE = "OVERMIND_PREPARE_PYTHON"
 def memory_total() -> int:
     """The memory this process may use: the smallest of RAM and the cgroup limits over it, so a
     share of it (``60%``, the default budget) stays inside the container it runs in."""
-    from overmind.shared.host_memory import HostMemory  # here: monkey_patch_all() imports this module
+    from overmind.shared.settings.host_memory import HostMemory  # here: monkey_patch_all() imports this module
 
     return HostMemory.read().limit.bytes
 
@@ -178,7 +178,9 @@ report: Optional[Callable[[str], None]] = None
 _told: dict = {}  # the messages already told in this process: each is told once
 
 
-def _tell(message: str, notes: Optional[list] = None) -> None:
+def tell(message: str, notes: Optional[list] = None) -> None:
+    """Tell the user a bad setting, once per process: into ``notes`` where given, else to
+    ``report``, else as a warning pointing at the user's code."""
     if notes is not None:  # the server logs them once its log is set up
         notes.append(message)
         return
@@ -204,7 +206,7 @@ def _flag(env, name: str, default: bool = False, notes: Optional[list] = None) -
         return True
     if value in _NO:
         return default if not value else False
-    _tell(f"{name}={raw!r} is not a yes/no value (accepted: {FLAG_SPELLINGS}); "
+    tell(f"{name}={raw!r} is not a yes/no value (accepted: {FLAG_SPELLINGS}); "
           f"using the default ({'yes' if default else 'no'})", notes)
     return default
 
@@ -582,26 +584,3 @@ def warm_start_enabled(env=None) -> bool:
 def quick_exit_enabled(env=None) -> bool:
     """``OVERMIND_QUICK_EXIT`` (default on)."""
     return flag("OVERMIND_QUICK_EXIT", env, default=True)
-
-
-def extra_patch_points(env=None) -> str:
-    """``OVERMIND_PATCH``: extra patch points, ``module::Qualname.attr``, comma separated. A bad
-    item warns once and is left out (Note [A bad setting never stops a script]); the rest, comma
-    separated, is returned."""
-    raw = (os.environ if env is None else env).get("OVERMIND_PATCH", "")
-    if not raw.strip():
-        return raw
-    from overmind.shared.patching import PatchPoint
-
-    good = []
-    for item in raw.split(","):
-        if not item.strip():
-            continue
-        try:
-            PatchPoint.parse(item)
-        except ValueError as err:
-            _tell(f"OVERMIND_PATCH: {err}; that item is ignored (accepted: module::Qualname.attr, "
-                  "comma separated)")
-            continue
-        good.append(item.strip())
-    return ",".join(good)

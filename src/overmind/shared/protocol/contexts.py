@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from overmind.shared.config import selecting_environment
+from overmind.shared.settings.config import selecting_environment
 
 __all__ = ["Context", "RunSpec", "caller_context", "load_context_from_wire", "environment_from_wire", "MODES",
            "mark_warm_run", "in_warm_run", "RUN_OPTIONS", "UNBUFFERED"]
@@ -35,14 +35,14 @@ RUN_OPTIONS = (UNBUFFERED,)
 @dataclass(frozen=True)
 class Context:
     """Which warm interpreter serves a client: the interpreter and the environment that can
-    change what an import does (Note [Environment that selects an interpreter] in overmind.shared.config).
+    change what an import does (Note [Environment that selects an interpreter] in overmind.shared.settings.config).
     Not the cwd or sys.path: a warm interpreter holds only installed code (Note [Warm
     interpreters] in overmind.warm.interpreter); each load or run brings its own."""
 
     python: str
     env: tuple  # sorted (name, value) pairs
     # The key of the context before the names its interpreters' imports read were added to env
-    # (Note [Settings an import read] in overmind.shared.import_env); "": this is that context.
+    # (Note [Settings an import read] in overmind.shared.settings.import_env); "": this is that context.
     family: str = field(default="", compare=False)
 
     @property
@@ -138,7 +138,7 @@ class RunSpec:
     def of_caller(cls, mode: str, target: str, args: list[str], options: tuple = ()) -> "RunSpec":
         import signal
 
-        from overmind.shared.traits import Traits
+        from overmind.shared.process.traits import Traits
 
         umask = os.umask(0o022)
         os.umask(umask)
@@ -178,7 +178,7 @@ class RunSpec:
             raise ValueError(f"run spec field 'oom_score_adj' must be an integer in [-1000, 1000], got {oom!r:.80}")
         traits = spec.get("traits")
         if traits is not None:
-            from overmind.shared.traits import Traits
+            from overmind.shared.process.traits import Traits
 
             traits = Traits.from_wire(traits).to_wire()
         options = spec.get("options") or []

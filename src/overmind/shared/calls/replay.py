@@ -44,12 +44,14 @@ import sys
 import warnings
 from typing import Any, Optional
 
+import overmind
+
 __all__ = ["Recorder", "replay", "MAX_EVENTS", "MAX_TEXT"]
 
 MAX_EVENTS = 256
 MAX_TEXT = 16_384
 RECORDED_LEVEL = logging.INFO
-_OVERMIND_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")  # the package
+_OVERMIND_DIR = os.path.join(os.path.dirname(os.path.abspath(overmind.__file__)), "")  # the package
 
 
 class Recorder:

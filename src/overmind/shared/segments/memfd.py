@@ -53,7 +53,7 @@ where ``shmem_enabled`` may give huge pages (``advise``, ``within_size``, ``alwa
   check both).
 
 Storages of 2 MiB or more start on 2 MiB offsets where that costs little (Note [Large
-storages on huge pages] in ``overmind.shared.segment_writer``).
+storages on huge pages] in ``overmind.shared.segments.writer``).
 
 Why collapse after the fill rather than fill huge pages directly (a writable
 ``MAP_SHARED`` ``MADV_HUGEPAGE`` mapping, unmapped before sealing: tried and measured):
@@ -73,7 +73,7 @@ model *file* as the segment of such storages (``overmind.warm.file_backed``), at
 storage's offset in the file, instead of copying its bytes into a new memfd. The entry
 costs no fresh memory and is ready as soon as the loader has loaded: on this machine,
 a guest whose fresh memory fills at 0.4 GB/s, copying 3.58 GB took 9 core-seconds, longer
-than the run that started it (Note [Joining a fill] in ``overmind.server.fills``).
+than the run that started it (Note [Joining a fill] in ``overmind.server.joins``).
 What this gives up, and how it is held:
 
 - A file is not sealed. Its entry's key holds the file's fingerprint (size, mtime, ctime,
@@ -101,7 +101,7 @@ import os
 import stat
 from typing import Optional
 
-from overmind.shared.hugepages import ALLOWING, read_setting
+from overmind.shared.segments.hugepages import ALLOWING, read_setting
 
 __all__ = ["Segment", "SEAL_ALL", "ALIGNMENT", "HUGE_PAGE", "align_up", "buffer_at", "cached_share",
            "huge_pages_possible", "is_sealed_memfd"]
@@ -176,7 +176,7 @@ def buffer_at(address: int, nbytes: int) -> memoryview:
 
 def huge_pages_possible() -> bool:
     """May the kernel back a memfd with huge pages (Note [Huge pages for segments])? The
-    setting is read and judged where ``overmind status`` reads it (:mod:`overmind.shared.hugepages`)."""
+    setting is read and judged where ``overmind status`` reads it (:mod:`overmind.shared.segments.hugepages`)."""
     return read_setting() in ALLOWING
 
 

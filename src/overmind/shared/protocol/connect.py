@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from overmind import __version__
-from overmind.shared.config import PREPARE_VARIABLE, Config, ensure_private_dir, lock_within, open_runtime_file
+from overmind.shared.settings.config import PREPARE_VARIABLE, Config, ensure_private_dir, lock_within, open_runtime_file
 
 if TYPE_CHECKING:
     from overmind.shared import protocol as P

@@ -2,7 +2,7 @@
 
 Standard library only (``overmind status`` reads it without the server or torch)::
 
-    from overmind.shared.hugepages import read_status
+    from overmind.shared.segments.hugepages import read_status
     hp = read_status()              # or read_status("/tmp/fake-root") in tests
     hp.enabled, hp.setting          # False, "never"
     hp.as_dict()                    # what `overmind status --json` prints as "huge_pages"
@@ -10,7 +10,7 @@ Standard library only (``overmind status`` reads it without the server or torch)
 Segments are memfds, i.e. shmem, so what decides is ``shmem_enabled``, not the
 ``enabled`` file anonymous memory follows. The loader rebuilds every segment it filled
 out of huge pages (``MADV_COLLAPSE``) and every client mapping asks for them
-(``MADV_HUGEPAGE``; Note [Huge pages for segments] in :mod:`overmind.shared.memfd`); the kernel
+(``MADV_HUGEPAGE``; Note [Huge pages for segments] in :mod:`overmind.shared.segments.memfd`); the kernel
 grants them when the setting is one of :data:`ALLOWING`. Only root can change it, and it resets on
 reboot: README "Huge pages" gives the command, a systemd ``tmpfiles.d`` line and a
 Kubernetes DaemonSet (``deploy/``).

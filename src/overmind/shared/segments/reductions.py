@@ -6,13 +6,13 @@
     obj = unpack(packed.skeleton, [s.map_private() for s in segments])   # client side
 
 The pickle (the *skeleton*) holds everything but tensor bytes. Each distinct storage
-is copied once into a new sealed segment (by a fill thread of ``overmind.shared.segment_writer``,
+is copied once into a new sealed segment (by a fill thread of ``overmind.shared.segments.writer``,
 where it goes: Notes [Parallel fill] and [Same alignment, same numbers] there) or found in
 an existing one, and each
 tensor or storage in the object graph becomes a persistent id: an index into a small
 table of :class:`StorageRef` and :class:`TensorRef` records stored beside the pickle.
 Unpickling maps each segment once, builds every table entry over that mapping with
-:func:`overmind.shared.native.make_untyped_storage`, then runs the pickle with
+:func:`overmind.shared.segments.native.make_untyped_storage`, then runs the pickle with
 ``persistent_load = table.__getitem__``.
 
 Note [Skeleton format is versioned]
@@ -35,7 +35,7 @@ Note [One mapping per load]
 ``unpack`` maps every segment afresh, so two loads in one process never share pages
 they can write: a ``mul_`` on one copy faults a private page and leaves the other
 copy, and the sealed segment, untouched (Note [Sealed segments are immutable] in
-``overmind.shared.memfd``).
+``overmind.shared.segments.memfd``).
 
 Note [Tied weights and views]
 Storages are placed once per ``(data_ptr, nbytes)`` and tensors once per object, so
@@ -54,7 +54,7 @@ Every storage hashed is reported in ``Packed.contents`` for the server's index.
 
 Note [Extra reducers]
 Some third-party tensor subclasses lose their class through torch's own reduction
-(``Parameter.__reduce_ex__`` rebuilds a plain ``nn.Parameter``). ``overmind.shared.quirks``
+(``Parameter.__reduce_ex__`` rebuilds a plain ``nn.Parameter``). ``overmind.shared.segments.quirks``
 registers reducers for such exact types with :func:`register_reducer`, once their
 library is imported; the picklers consult them through ``dispatch_table`` (a C-level
 lookup, so other objects pay nothing). Their rebuild functions are named inside stored
@@ -76,9 +76,9 @@ from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
-from overmind.shared.memfd import Segment, buffer_at
-from overmind.shared.native import build_tensors, make_untyped_storage
-from overmind.shared.segment_writer import SegmentWriter
+from overmind.shared.segments.memfd import Segment, buffer_at
+from overmind.shared.segments.native import build_tensors, make_untyped_storage
+from overmind.shared.segments.writer import SegmentWriter
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class ContentStore(Protocol):
 
     def in_file(self, address: int, nbytes: int) -> Optional[tuple[int, int]]:
         """``(external segment number, offset)`` where the ``nbytes`` at ``address`` are a model
-        file's own pages (Note [File-backed segments] in overmind.shared.memfd), or None."""
+        file's own pages (Note [File-backed segments] in overmind.shared.segments.memfd), or None."""
 
     def may_hold(self, address: int, nbytes: int) -> bool:
         """Whether a region it could return may hold the ``nbytes`` at ``address``; False only when
@@ -289,7 +289,7 @@ class _Tables:
 
     def _in_file(self, source: torch.UntypedStorage, nbytes: int) -> Optional[tuple[int, int]]:
         """Where the store finds the storage's bytes as a model file's own pages (Note [File-backed
-        segments] in overmind.shared.memfd), as placed; None: they are to be written."""
+        segments] in overmind.shared.segments.memfd), as placed; None: they are to be written."""
         # Small storages are copied: a file segment for a few of them would hold the whole file.
         in_file = getattr(self.store, "in_file", None) if nbytes >= DEDUP_MIN_BYTES else None
         found = in_file(source.data_ptr(), nbytes) if in_file is not None else None

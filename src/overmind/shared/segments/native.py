@@ -1,6 +1,6 @@
 """The one door to ``overmind._C``, with a pure-Python fallback.
 
-    from overmind.shared.native import make_untyped_storage
+    from overmind.shared.segments.native import make_untyped_storage
     storage = make_untyped_storage(memoryview(mapping)[offset:offset + nbytes])
 
 ``make_untyped_storage`` shares the buffer's memory (no copy) and keeps the buffer's

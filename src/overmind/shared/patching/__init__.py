@@ -30,7 +30,7 @@ A module-level function patched while its module is already imported also
 replaces the names other imported modules bound to it earlier (peft's
 ``from safetensors.torch import load_file as safe_load_file``), so a warm
 ``overmind run`` child, which imported them before its patch, hits like plain
-python does (Note [Names bound before patching] in overmind.shared.bound_names,
+python does (Note [Names bound before patching] in overmind.shared.patching.bound_names,
 which finds them). The defining module's own global (``torch.serialization.load``
 behind ``torch::load``), class attributes, ``__main__`` and overmind's own
 modules are left alone.
@@ -42,18 +42,20 @@ import functools
 import importlib
 import keyword
 import logging
+import os
 import sys
 import threading
 import types
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up budget)
 
-from overmind.shared import bound_names
+from overmind.shared.patching import bound_names
+from overmind.shared.settings import config
 
 if TYPE_CHECKING:  # typing and dataclasses cost ~30 ms at start-up; see overmind.api's budget
     from typing import Any, Callable, Iterable, Optional, Union
 
 __all__ = [
-    "PatchPoint", "WrapperFactory", "get_original", "in_patched_call", "index_bound_names", "is_patched",
+    "PatchPoint", "WrapperFactory", "env_patch_points", "get_original", "in_patched_call", "index_bound_names", "is_patched",
     "parse_patch_specs", "patch", "patched_points", "pending_points", "unpatch_all",
 ]
 
@@ -117,6 +119,27 @@ class PatchPoint:
 
     def __str__(self) -> str:
         return f"{self.module}{_SEP}{self.qualname}"
+
+
+def env_patch_points(env=None) -> str:
+    """``OVERMIND_PATCH``: extra patch points, ``module::Qualname.attr``, comma separated. A bad
+    item warns once and is left out (Note [A bad setting never stops a script]); the rest, comma
+    separated, is returned."""
+    raw = (os.environ if env is None else env).get("OVERMIND_PATCH", "")
+    if not raw.strip():
+        return raw
+    good = []
+    for item in raw.split(","):
+        if not item.strip():
+            continue
+        try:
+            PatchPoint.parse(item)
+        except ValueError as err:
+            config.tell(f"OVERMIND_PATCH: {err}; that item is ignored (accepted: module::Qualname.attr, "
+                         "comma separated)")
+            continue
+        good.append(item.strip())
+    return ",".join(good)
 
 
 def parse_patch_specs(text: str) -> list[PatchPoint]:
@@ -302,7 +325,7 @@ def _patch_copies(owner: type, name: str, func: Any, guard: Callable[..., Any]) 
 
 def index_bound_names(points: Iterable[PatchPoint]) -> None:
     """In a warm interpreter, before it forks: where imported modules bound the module-level
-    functions of ``points`` (Note [Names bound before patching] in overmind.shared.bound_names).
+    functions of ``points`` (Note [Names bound before patching] in overmind.shared.patching.bound_names).
     Cheap when nothing was imported since the last call."""
     functions = []
     for point in points:
@@ -436,7 +459,7 @@ def unpatch_all() -> None:
             for klass, raw in record.copies:
                 if _func_of(vars(klass).get(name)) is record.guard:
                     setattr(klass, name, raw)
-            # Note [Names bound before patching] in overmind.shared.bound_names
+            # Note [Names bound before patching] in overmind.shared.patching.bound_names
             for namespace, attr in record.aliases:
                 if namespace.get(attr) is record.guard:
                     namespace[attr] = record.original

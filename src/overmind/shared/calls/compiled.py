@@ -19,11 +19,11 @@ once] in overmind.warm.compiled), then unpacking the package into a temporary fo
 whose context loaded the package before does it once, and a run forked from it gets the
 loaded model back from its call. What keeps that the plain call:
 - Never stale: the call is keyed by the package's real path, its file fingerprint (size,
-  mtime_ns, inode, device, ctime_ns: Note [What a fingerprint cannot see] in overmind.shared.calls)
+  mtime_ns, inode, device, ctime_ns: Note [What a fingerprint cannot see] in overmind.shared.calls.keys)
   and the call's other arguments, bound to the original's signature with its defaults. The
   fingerprint is taken again at the run's call; a package changed since it was preloaded is
   a miss (the plain call), and a file changed too recently to fingerprint (Note [Racy files]
-  in overmind.shared.calls) is never preloaded.
+  in overmind.shared.calls.keys) is never preloaded.
 - Never run before a fork: the warm interpreter constructs the loader and calls nothing on
   it (Note [No thread pool before a fork] in overmind.warm.compiled); only CPU packages are
   preloaded (their metadata is read from the archive first), so CUDA is never initialised
@@ -105,7 +105,7 @@ def refusal_name(spec: dict) -> str:
 
 def fingerprint(path: str):
     """The file's fingerprint now, or None (missing, unreadable, or changed too recently)."""
-    from overmind.shared.calls import Uncacheable, fingerprint_paths
+    from overmind.shared.calls.keys import Uncacheable, fingerprint_paths
 
     if not os.access(path, os.R_OK):
         return None

@@ -34,9 +34,9 @@ diffusers 0.42, and by the HF test-suite harness ``benchmarks/hf_suites.py``):
   which replace ``torch.nn.init`` functions and ``PreTrainedModel.init_weights``; a DeepSpeed
   ZeRO-3 config): the call goes to the original.
 - Warnings and log records the load emits, and the caller's filters and levels for them:
-  recorded at fill time and replayed on every hit (``overmind.shared.replay``).
+  recorded at fill time and replayed on every hit (``overmind.shared.calls.replay``).
 - Environment variables that shape a load (``HF_*``, ``TRANSFORMERS_*``, ...): part of the
-  loader's context (``overmind.shared.config.ENV_PREFIXES``), so a different value is another loader.
+  loader's context (``overmind.shared.settings.config.ENV_PREFIXES``), so a different value is another loader.
 - Not handled: CUDA generators (loaders never initialise CUDA, Note [Warm interpreters never touch
   CUDA]); a terminal-width-dependent log layout is the loader's (80 columns).
 
