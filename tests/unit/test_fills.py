@@ -1,12 +1,14 @@
-"""overmind.server.fills, and the cold loads that use it, without a server: admission (single
+"""overmind.server.fills (with overmind.server.failures, overmind.server.joins and
+overmind.server.loaders), and the cold loads that use it, without a server: admission (single
 flight, remembered failures, the cap), joining a fill and giving up on it, the CPU priority of a
 fill's loader and who lends it theirs, an entry evicted while a fill runs, and the server's status
 taken while a fill ends.
 
 Real classes, real threads, real sockets (``socketpair``) and real processes standing in for a
 loader or a caller (their scheduling policy is read from /proc). Note [Cold fills wait for their
-caller], Note [Cold fills yield to their caller], Note [Joining a fill] and Note [Only
-deterministic failures are remembered] in overmind.server.fills.
+caller] and Note [Cold fills yield to their caller] in overmind.server.fills, Note [Joining a
+fill] in overmind.server.joins and Note [Only deterministic failures are remembered] in
+overmind.server.failures.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ import pytest
 from overmind.shared import protocol as P
 from overmind.shared.settings.config import Config
 from overmind.shared.segments.memfd import Segment
+from overmind.server import failures as FL
 from overmind.server import fills as F
+from overmind.server import joins as J
 from overmind.server.loads import Loads
 from overmind.server.fills import Fills
+from overmind.server.joins import Joins
 from overmind.server.pool import LoadFailure, WarmPool
 from overmind.server.programs import ProgramHistory
 from overmind.server.registry import CacheEntry, Registry
@@ -100,7 +105,7 @@ def _filling(tmp_path, caplog, written: int, expected: int, plain: float) -> tup
     loads = _loads(tmp_path)
     fill = loads.fills.admit(KEY, background=True, caller=1).fill
     _packing(loads.fills, fill, written, expected)
-    loads.remember_plain_seconds(KEY, plain)
+    loads.joins.remember_plain_seconds(KEY, plain)
     return loads, fill
 
 
@@ -196,7 +201,7 @@ def test_one_fill_per_key_and_the_cap_on_fills_answers_busy(tmp_path):
     assert busy.busy and not busy.started and busy.fill is None
     again = fills.admit("k0")
     assert again.fill is started[0].fill and not again.started  # single flight
-    assert fills.counters() == {"misses": 3, "plain_loads": 0, "loading": 3, "remembered_failures": 0, "joined": 0}
+    assert fills.counters() == {"misses": 3, "plain_loads": 0, "loading": 3, "remembered_failures": 0}
     assert fills.in_flight_besides("k0") and not _fills(tmp_path).in_flight_besides("k0")
 
 
@@ -228,26 +233,26 @@ def test_a_raise_is_remembered_and_answered_without_a_new_load(tmp_path):
     _fail(fills, "k", P.ErrorCode.LOADER_FAILED, remember=True)
     again = fills.admit("k")
     assert not again.started and again.failure is not None and again.failure.message == "boom"
-    assert len(again.failure.traceback) <= F.MAX_REMEMBERED_TEXT  # bounded text
+    assert len(again.failure.traceback) <= FL.MAX_REMEMBERED_TEXT  # bounded text
 
 
 def test_a_loader_death_is_retried_until_it_happens_max_deaths_times_in_a_row(tmp_path):
     fills = _fills(tmp_path)
-    for _ in range(F.MAX_DEATHS):
+    for _ in range(FL.MAX_DEATHS):
         _fail(fills, "k", P.ErrorCode.LOADER_CRASHED, remember=False)
-    assert fills.counters()["misses"] == F.MAX_DEATHS  # each death was tried again
+    assert fills.counters()["misses"] == FL.MAX_DEATHS  # each death was tried again
     stop = fills.admit("k")
     assert not stop.started and stop.failure.code == P.ErrorCode.LOADER_CRASHED
 
 
 def test_a_fill_that_succeeds_forgets_the_deaths_before_it(tmp_path):
     fills = _fills(tmp_path)
-    for _ in range(F.MAX_DEATHS - 1):
+    for _ in range(FL.MAX_DEATHS - 1):
         _fail(fills, "k", P.ErrorCode.LOADER_CRASHED, remember=False)
     fill = fills.admit("k").fill
     fill.entry = _entry("k")
     fills.finish(fill, remember=False)  # the entry was evicted at once: never filed
-    for _ in range(F.MAX_DEATHS - 1):
+    for _ in range(FL.MAX_DEATHS - 1):
         _fail(fills, "k", P.ErrorCode.LOADER_CRASHED, remember=False)
     assert fills.admit("k").started  # not MAX_DEATHS in a row
     fill.entry.close()
@@ -255,16 +260,16 @@ def test_a_fill_that_succeeds_forgets_the_deaths_before_it(tmp_path):
 
 def test_remembered_failures_are_bounded_however_many_keys_fail(tmp_path):
     fills = _fills(tmp_path)
-    for i in range(F.MAX_FAILURES + 500):
+    for i in range(FL.MAX_FAILURES + 500):
         _fail(fills, f"{i:032x}", P.ErrorCode.LOADER_FAILED, remember=True, text="x" * 100_000)
-    assert fills.counters()["remembered_failures"] == F.MAX_FAILURES
+    assert fills.counters()["remembered_failures"] == FL.MAX_FAILURES
     assert fills.admit(f"{0:032x}").started  # the oldest was forgotten: it may be tried again
 
 
 def test_a_failure_is_forgotten_after_its_ttl(tmp_path, monkeypatch):
     fills = _fills(tmp_path)
     _fail(fills, "k", P.ErrorCode.LOADER_FAILED, remember=True)
-    monkeypatch.setattr(F, "FAILURE_TTL", 0.0)
+    monkeypatch.setattr(FL, "FAILURE_TTL", 0.0)
     assert fills.admit("k").started
 
 
@@ -326,7 +331,7 @@ def _joining_the_original(tmp_path, caplog, loader, plain: float) -> tuple[Loads
     loads.fills.clock = _Clock()
     fill = loads.fills.admit(KEY, background=True, caller=1).fill
     loads.fills.forked(fill, loader)
-    loads.remember_plain_seconds(KEY, plain)
+    loads.joins.remember_plain_seconds(KEY, plain)
     return loads, fill
 
 
@@ -386,8 +391,8 @@ def test_a_join_is_renewed_at_most_max_renewals_times_however_good_the_news(tmp_
     finally:
         stop.set()
         reporter.join()
-    assert 0.2 * (1 + F.MAX_RENEWALS) <= waited < 0.2 * (2 + F.MAX_RENEWALS), waited
-    assert caplog.text.count(f"pid 4242 joined the fill of {KEY[:16]} again: gave up") == F.MAX_RENEWALS
+    assert 0.2 * (1 + J.MAX_RENEWALS) <= waited < 0.2 * (2 + J.MAX_RENEWALS), waited
+    assert caplog.text.count(f"pid 4242 joined the fill of {KEY[:16]} again: gave up") == J.MAX_RENEWALS
     assert loads.counters()["joined"] == 1 and not fill.done.is_set()
 
 
@@ -444,12 +449,13 @@ def test_a_fill_with_far_to_go_is_not_joined(tmp_path, caplog):
 def test_a_plain_load_is_weighed_at_what_the_loaders_original_took_when_less(tmp_path, caplog):
     caplog.set_level(logging.INFO, LOG)
     fills = _fills(tmp_path)
+    joins = Joins(fills)  # Note [Joining a fill] in overmind.server.joins
     fill = fills.admit(KEY, background=True).fill
     _packing(fills, fill, 64 * MB, 80 * MB)  # 1/4 to go: 0.25 s at 64 MB/s
-    assert fills.join(KEY, 1.0, 4242) == 1.0  # sooner than the caller's plain load
+    assert joins.join(KEY, 1.0, 4242) == 1.0  # sooner than the caller's plain load
     assert "0.25s left against a plain load of 1.00s (the last plain load)" in caplog.text
     _packing(fills, fill, 64 * MB, 80 * MB, original=0.2, seconds=0.0)
-    assert fills.join(KEY, 1.0, 4242) == 0.0  # not sooner than the loader's own call of the original
+    assert joins.join(KEY, 1.0, 4242) == 0.0  # not sooner than the loader's own call of the original
     assert "0.25s left against a plain load of 0.20s (the loader's call of the original)" in caplog.text
     assert fills.packing() == [{"key": KEY[:16], "written": 64 * MB, "expected": 80 * MB, "seconds": 1.0}]
 
@@ -460,51 +466,54 @@ def test_a_join_waits_at_least_the_floor_however_quick_a_plain_load(tmp_path, ca
     less than that to go is joined."""
     caplog.set_level(logging.INFO, LOG)
     fills = _fills(tmp_path)
+    joins = Joins(fills)  # Note [Joining a fill] in overmind.server.joins
     fill = fills.admit(KEY, background=True).fill
     fills.forked(fill, loader)
-    assert fills.join(KEY, 0.03, 4242) == F.JOIN_FLOOR  # it runs the original
+    assert joins.join(KEY, 0.03, 4242) == J.JOIN_FLOOR  # it runs the original
     _packing(fills, fill, 60 * MB, 64 * MB)  # 4 MB to go at 60 MB/s: 0.067 s
-    assert fills.join(KEY, 0.03, 4242) == F.JOIN_FLOOR
+    assert joins.join(KEY, 0.03, 4242) == J.JOIN_FLOOR
     assert "0.07s left against a plain load of 0.03s" in caplog.text
     _packing(fills, fill, 30 * MB, 64 * MB)  # 34 MB to go at 30 MB/s: more than the floor
-    assert fills.join(KEY, 0.03, 4242) == 0.0
+    assert joins.join(KEY, 0.03, 4242) == 0.0
 
 
 def test_a_fills_pace_goes_on_from_its_last_report_until_its_reports_stop(tmp_path):
     """Note [Joining a fill]: a report is up to 0.1 s old; what the pack did since counts, at its
     pace up to that report, until reports are late (LATE_REPORT): then its pace is timed to now."""
     fills = _fills(tmp_path)
+    joins = Joins(fills)  # Note [Joining a fill] in overmind.server.joins
     fill = fills.admit(KEY, background=True).fill
     _packing(fills, fill, 60 * MB, 64 * MB)  # 4 MB to go at 60 MB/s
-    assert fills.remaining(KEY)[0] == pytest.approx(4 / 60)
+    assert joins.remaining(KEY)[0] == pytest.approx(4 / 60)
     fills.clock.now += 0.05
-    assert fills.remaining(KEY)[0] == pytest.approx(4 / 60 - 0.05)
+    assert joins.remaining(KEY)[0] == pytest.approx(4 / 60 - 0.05)
     fills.clock.now += 0.05
-    assert fills.remaining(KEY)[0] == 0.0  # it should have ended: nothing left to wait for at that pace
-    fills.clock.now += F.LATE_REPORT  # no report since: stalled, its pace to now
-    assert fills.remaining(KEY)[0] == pytest.approx(4 / 60 * (1.1 + F.LATE_REPORT))
+    assert joins.remaining(KEY)[0] == 0.0  # it should have ended: nothing left to wait for at that pace
+    fills.clock.now += J.LATE_REPORT  # no report since: stalled, its pace to now
+    assert joins.remaining(KEY)[0] == pytest.approx(4 / 60 * (1.1 + J.LATE_REPORT))
 
 
 def test_a_fill_with_no_loader_yet_or_a_key_with_no_plain_time_is_not_joined(tmp_path, loader, caplog):
     caplog.set_level(logging.INFO, LOG)
     fills = _fills(tmp_path)
+    joins = Joins(fills)  # Note [Joining a fill] in overmind.server.joins
     fill = fills.admit(KEY, background=True).fill
-    assert fills.join(KEY, 1.0, 4242) == 0.0  # waiting for a load slot or for the fills it refers to
+    assert joins.join(KEY, 1.0, 4242) == 0.0  # waiting for a load slot or for the fills it refers to
     assert "pid 4242 loads aaaaaaaaaaaaaaaa plainly: its fill has no loader yet" in caplog.text
     fills.slot_taken(fill)  # all that is left is its loader's fork: joined as if it ran the original
-    assert fills.join(KEY, 1.0, 4242) == 1.0
+    assert joins.join(KEY, 1.0, 4242) == 1.0
     assert "pid 4242 joins the fill of aaaaaaaaaaaaaaaa: its loader is being forked" in caplog.text
     fills.forked(fill, loader, fresh=True)  # an interpreter of its own, importing everything first
-    assert fills.join(KEY, 1.0, 4242) == 0.0
+    assert joins.join(KEY, 1.0, 4242) == 0.0
     assert "plainly: its fill has a fresh interpreter for loader, still importing" in caplog.text
     fills.forked(fill, loader)
-    assert fills.join(KEY, None, 4242) == 0.0
-    assert fills.join(KEY, 1.0, 4242) == 1.0  # its loader runs the original: joined, for a plain load's time
+    assert joins.join(KEY, None, 4242) == 0.0
+    assert joins.join(KEY, 1.0, 4242) == 1.0  # its loader runs the original: joined, for a plain load's time
     assert "pid 4242 joins the fill of aaaaaaaaaaaaaaaa: its loader runs the original" in caplog.text
     _packing(fills, fill, 64 * MB, 64 * MB)  # all in place
-    assert fills.remaining(KEY) == (0.0, fill)
-    assert fills.join(KEY, None, 4242) == 0.0  # no plain load to weigh it against
-    assert fills.join(KEY, 0.1, 4242) == 0.1
+    assert joins.remaining(KEY) == (0.0, fill)
+    assert joins.join(KEY, None, 4242) == 0.0  # no plain load to weigh it against
+    assert joins.join(KEY, 0.1, 4242) == 0.1
 
 
 def test_a_fill_whose_loader_is_being_forked_is_joined(tmp_path, caplog, monkeypatch):
@@ -522,15 +531,15 @@ def test_a_fill_whose_loader_is_being_forked_is_joined(tmp_path, caplog, monkeyp
 
     monkeypatch.setattr(loads.pool, "start_loader", start_loader)
     fill = loads.fills.admit(KEY, background=True).fill
-    assert loads.fills.join(KEY, 1.0, 4242) == 0.0  # no slot yet: nothing says it is close
+    assert loads.joins.join(KEY, 1.0, 4242) == 0.0  # no slot yet: nothing says it is close
     def fly() -> None:
         with pytest.raises(LoadFailure):
-            loads._run_load(_request(tmp_path), b"call", 0, fill)
+            loads.loaders.run(_request(tmp_path), b"call", 0, fill)
 
     flying = _start(fly)
     try:
         assert forking.wait(10)
-        assert loads.fills.join(KEY, 1.0, 4242) == 1.0
+        assert loads.joins.join(KEY, 1.0, 4242) == 1.0
         assert f"pid 4242 joins the fill of {KEY[:16]}: its loader is being forked" in caplog.text
     finally:
         fork_done.set()
@@ -541,7 +550,7 @@ def test_a_caller_that_waits_for_the_cache_never_joins_it_but_waits_for_the_fill
     loads = _loads(tmp_path)
     fill = loads.fills.admit(KEY, background=True).fill
     _packing(loads.fills, fill, 64 * MB, 64 * MB)  # all in place: a caller that may join would
-    loads.remember_plain_seconds(KEY, 0.2)
+    loads.joins.remember_plain_seconds(KEY, 0.2)
     a, b = socket.socketpair()
     with a, b:
         waiter = _waiter(loads, a, b, tmp_path)
@@ -763,7 +772,7 @@ def test_a_fill_whose_referred_entry_is_evicted_while_it_waits_for_it_fails_not_
 
     def references() -> None:
         try:
-            loads._references(_request(tmp_path, refs=[OTHER]), fill)
+            loads.loaders._references(_request(tmp_path, refs=[OTHER]), fill)
         except LoadFailure as failure:
             failed.append(failure)
 
@@ -784,7 +793,7 @@ def test_a_fill_is_handed_the_entry_it_refers_to_once_that_fill_files_it(tmp_pat
     referred = loads.fills.admit(OTHER, background=True).fill
     fill = loads.fills.admit(KEY, background=True).fill
     handed: list = []
-    waiting = _start(lambda: handed.extend(loads._references(_request(tmp_path, refs=[OTHER]), fill)))
+    waiting = _start(lambda: handed.extend(loads.loaders._references(_request(tmp_path, refs=[OTHER]), fill)))
     _until(lambda: loads.fills.waits == {KEY: OTHER})
     assert loads.fills.lenders == {}  # nobody waits for the fill that refers to it: nothing lent
     referred.entry = _entry(OTHER)

@@ -323,8 +323,10 @@ def test_aoti_packages_a_context_learned_survive_a_restart(tmp_path):
     class _Loads:
         pool, history = fresh, ProgramHistory()
 
-        def remember_plain_seconds(self, key, seconds):
-            pass
+        class joins:  # Loads.joins (overmind.server.joins), as a restore reaches it
+            @staticmethod
+            def remember_plain_seconds(key, seconds):
+                pass
 
     Restore(keeper.config, None, _Loads(), None, None)._teach(state)
     assert fresh.lessons.packages_for(base) == [PACKAGE]  # its interpreters preload it

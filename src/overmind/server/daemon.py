@@ -34,6 +34,7 @@ from overmind import __version__
 from overmind.shared import protocol as P
 from overmind.shared.settings.config import (LOG_FORMAT, PREPARE_VARIABLE, Config, ConfigError, ensure_private_dir,
                                     lock_within, open_runtime_file, read_runtime_file, write_runtime_file)
+from overmind.server.connections import Connections
 from overmind.server.loads import MAX_TEXT, Loads, check_modules, check_request, reply_error
 from overmind.server.options import parse as parse_options
 from overmind.server.pool import WarmPool, LoadFailure, context_from_wire, run_from_wire
@@ -51,28 +52,9 @@ logger = logging.getLogger("overmind.server.daemon")
 
 __all__ = ["Server", "main"]
 
-# A client's only blob is a pickled call (paths, configs, entry references): kilobytes. The
-# protocol's MAX_BLOB is sized for skeletons; a client claiming that much must not make the
-# server allocate it (Note [Frames are untrusted] in overmind.shared.protocol).
-MAX_REQUEST_BLOB = 64 << 20
-
-# Note [Every peer is bounded]
-# A peer of our own uid can still be buggy or hostile; none may make the server grow
-# without bound or stop serving others. Connections are capped (past the cap a new one gets
-# BUSY and is closed); the handshake must arrive within HANDSHAKE_TIMEOUT; a frame, once
-# started, must be complete within FRAME_TIMEOUT and its blob is allocated as its bytes
-# arrive; a connection idle for IDLE_TIMEOUT is closed (clients reconnect transparently);
-# request fields are bounded (keys, descriptions, lists); loads in flight are capped by the
-# fills' table, and remembered failures are few and short (Note [Only deterministic failures are
-# remembered] in overmind.server.fills).
-MAX_CONNECTIONS = 256
-HANDSHAKE_TIMEOUT = 5.0
-FRAME_TIMEOUT = 30.0
-IDLE_TIMEOUT = 600.0
 LOCK_WAIT = 2.0  # seconds a starting server waits for the lock of a server still exiting: Note [One server per runtime directory]
 SOCKET_CHECK_INTERVAL = 0.5
 HOUSEKEEPING_INTERVAL = 10.0  # warm interpreters: idle time and memory (WarmPool.housekeeping)
-PEER_ROLES = ("client", "cli", "run")  # what Hello.role says; a loader never connects (Note [The loader is handed its references] in overmind.server.loads)
 
 class AlreadyRunning(ConfigError):
     """Another server owns this runtime dir (exit status EXIT_ALREADY_RUNNING)."""
@@ -82,24 +64,24 @@ EXIT_ALREADY_RUNNING = 75  # systemd: RestartPreventExitStatus=75
 
 
 class Server:
+    """The daemon: its parts, its lifecycle, the listening socket and what each request asks; the
+    peers and their connections are its ``connections`` (overmind.server.connections)."""
+
     def __init__(self, config: Config, prepare_python: str = "") -> None:
         self.config = config
         self.registry = Registry(config.max_memory)
-        self.uid = os.getuid()
         self.started = time.time()
         self.stopping = threading.Event()
         self.listener: Optional[socket.socket] = None
         self.pool = WarmPool(config)
-        self.active = 0  # requests being served
-        self.connections = 0  # connection threads alive: Note [Every peer is bounded]
-        self.peers: dict[str, int] = {}  # handshakes by the role the peer gave (one of PEER_ROLES, or "other")
-        self.active_lock = threading.Lock()
-        self.refused = self.busy_refusals = self.socket_rebinds = self.runs = 0
+        # the peers, each connection's thread and its requests: Note [Every peer is bounded] in overmind.server.connections
+        self.connections = Connections(self.stopping, self._request)
+        self.socket_rebinds = self.runs = 0
         self.socket_id: Optional[tuple[int, int]] = None
         self.history = ProgramHistory()  # Note [Prefetch] in overmind.client.prefetch
         self.loads = Loads(config, self.registry, self.pool, self.history)
         # Note [The state file] in overmind.server.state; Note [Restore after a restart] in overmind.server.restore
-        self.state = StateKeeper(config, self.registry, self.pool, self.history, self.loads.plain_seconds_of)
+        self.state = StateKeeper(config, self.registry, self.pool, self.history, self.loads.joins.plain_seconds_of)
         self.loads.on_cached = self.state.record
         self.restore = Restore(config, self.registry, self.loads, self.state, self.stopping)
         # Note [Settling file segments] in overmind.server.settle
@@ -213,23 +195,7 @@ class Server:
                 if self.stopping.is_set():
                     break
                 raise
-            with self.active_lock:
-                admitted = self.connections < MAX_CONNECTIONS
-                if admitted:
-                    self.connections += 1
-                else:
-                    self.busy_refusals += 1
-            if not admitted:
-                with conn:
-                    conn.settimeout(1.0)
-                    reply_error(conn, P.ErrorCode.BUSY, f"more than {MAX_CONNECTIONS} connections")
-                continue
-            try:
-                threading.Thread(target=self._handle, args=(conn,), daemon=True, name="overmind-conn").start()
-            except RuntimeError:  # cannot start a thread: out of resources; this peer goes unserved
-                conn.close()
-                with self.active_lock:
-                    self.connections -= 1
+            self.connections.accept(conn)
 
     def shutdown(self, grace: float = 10.0) -> None:
         self.stopping.set()
@@ -238,12 +204,7 @@ class Server:
                 self.listener.close()
             except OSError:
                 pass
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            with self.active_lock:
-                if self.active == 0:
-                    break
-            time.sleep(0.05)
+        self.connections.wait_idle(grace)
         self.state.save_if_changed()  # Note [Atomic, rate-limited saves] in overmind.server.state
         self.state.close()
         self.pool.close()
@@ -261,77 +222,17 @@ class Server:
                 pass
         logger.info("overmind-server stopped")
 
-    # -- connections ---------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------
 
-    def _handle(self, conn: socket.socket) -> None:
-        try:
-            self._serve_connection(conn)
-        finally:
-            with self.active_lock:
-                self.connections -= 1
-
-    def _serve_connection(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                pid, uid, _ = P.peer_credentials(conn)
-            except OSError:
-                return
-            if uid != self.uid:
-                self.refused += 1
-                logger.warning("refused connection from pid %d uid %d (server uid %d)", pid, uid, self.uid)
-                reply_error(conn, P.ErrorCode.PERMISSION_DENIED, "overmind-server serves only its own user")
-                return
-            conn.settimeout(HANDSHAKE_TIMEOUT)  # Note [Every peer is bounded]
-            try:
-                hello, _, fds = P.recv_message(conn, max_blob=0, frame_timeout=HANDSHAKE_TIMEOUT)
-                P.close_fds(fds)
-                if not isinstance(hello, P.Hello):
-                    raise P.ProtocolError(f"expected Hello, got {type(hello).__name__}")
-                role = hello.role if hello.role in PEER_ROLES else "other"
-                with self.active_lock:
-                    self.peers[role] = self.peers.get(role, 0) + 1
-                if hello.version != P.PROTOCOL_VERSION:
-                    reply_error(conn, P.ErrorCode.VERSION_MISMATCH,
-                                      f"client speaks protocol {hello.version}, server speaks {P.PROTOCOL_VERSION}")
-                    return
-                P.send_message(conn, P.Welcome(P.PROTOCOL_VERSION, os.getpid(), __version__, self.uid))
-                while not self.stopping.is_set():
-                    conn.settimeout(IDLE_TIMEOUT)
-                    try:
-                        message, blob, fds = P.recv_message(conn, max_blob=MAX_REQUEST_BLOB,
-                                                            frame_timeout=FRAME_TIMEOUT)
-                    except socket.timeout:
-                        return  # idle: the client reconnects when it needs us again
-                    if not isinstance(message, (P.Status, P.ListEntries)):  # looking on is no use of the machine
-                        self.settler.touch()
-                    if not isinstance(message, P.Run):
-                        P.close_fds(fds)  # only a run brings fds: its stdio
-                        fds = []
-                    conn.settimeout(FRAME_TIMEOUT)  # replies to a peer that stopped reading give up too
-                    with self.active_lock:
-                        self.active += 1
-                    try:
-                        if isinstance(message, P.Run):
-                            if self._run(conn, message, fds, pid):
-                                return  # the warm interpreter has the connection now
-                        else:
-                            self._dispatch(conn, message, blob, pid)
-                    finally:
-                        del blob
-                        with self.active_lock:
-                            self.active -= 1
-            except EOFError:
-                pass
-            except P.VersionMismatch as err:
-                logger.warning("closing connection from pid %d: %s", pid, err)
-                reply_error(conn, P.ErrorCode.VERSION_MISMATCH, str(err))
-            except (P.ProtocolError, socket.timeout) as err:
-                logger.warning("closing connection from pid %d: %s", pid, str(err)[:300])
-                reply_error(conn, P.ErrorCode.BAD_REQUEST, str(err)[:MAX_TEXT])
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-            except Exception:  # never let one connection take the server down
-                logger.exception("internal error serving pid %d", pid)
+    def _request(self, conn: socket.socket, message: P.Message, blob: bytes, fds: list[int], pid: int) -> bool:
+        """One request of a connection (overmind.server.connections); True once the connection is
+        handed over (a run's, to a warm interpreter)."""
+        if not isinstance(message, (P.Status, P.ListEntries)):  # looking on is no use of the machine
+            self.settler.touch()
+        if isinstance(message, P.Run):
+            return self._run(conn, message, fds, pid)
+        self._dispatch(conn, message, blob, pid)
+        return False
 
     def _dispatch(self, conn: socket.socket, message: P.Message, blob: bytes, pid: int) -> None:
         if isinstance(message, P.Load):
@@ -397,15 +298,14 @@ class Server:
 
     def status(self) -> dict:
         info = {"pid": os.getpid(), "version": __version__, "uptime": time.time() - self.started,
-                **self.loads.counters(), "refused_connections": self.refused,  # Note [Joining a fill] in overmind.server.fills
-                "busy_refusals": self.busy_refusals, "connections": self.connections, "peers": dict(self.peers),
+                **self.loads.counters(), **self.connections.counters(),  # Note [Joining a fill] in overmind.server.joins
                 "socket": str(self.config.socket_path), "socket_rebinds": self.socket_rebinds, "runs": self.runs,
                 "runs_plain": self.pool.runs_plain, "torch_imported": "torch" in sys.modules}
         info["bytes"] = info["used"] = self.registry.used()
         info["interpreters"] = self.pool.describe()
-        info["warm_retired"] = self.pool.retired
-        info["loaders_exiting"] = self.loads.loaders_exiting()  # Note [Huge pages for segments] in overmind.shared.segments.memfd
-        info["packing"] = self.loads.fills.packing()  # Note [Joining a fill] in overmind.server.fills
+        info["warm_retired"] = self.pool.interpreters.retired
+        info["loaders_exiting"] = self.loads.loaders.exiting()  # Note [Huge pages for segments] in overmind.shared.segments.memfd
+        info["packing"] = self.loads.fills.packing()  # Note [Joining a fill] in overmind.server.joins
         info.update(self.registry.counters())  # after the fills': one no longer "loading" has its entry counted
         info["file_segments"] = {"bytes": self.registry.file_bytes(), **self.settler.describe()}  # Note [Settling file segments]
         info["memory"] = self.guard.describe()  # Note [The cache gives way] in overmind.server.pressure
@@ -459,9 +359,9 @@ def _refuse_to_start(err: ConfigError, log_fd: int) -> None:
 
 def _limit_malloc_arenas() -> None:
     """Note [Few malloc arenas]: glibc gives each busy thread an arena of its own and keeps
-    what it freed there, so a burst of connection threads (Note [Every peer is bounded])
-    leaves tens of MiB behind for good. The server's threads mostly wait on sockets; two
-    arenas serve them as fast. A no-op where mallopt is missing (musl)."""
+    what it freed there, so a burst of connection threads (Note [Every peer is bounded] in
+    overmind.server.connections) leaves tens of MiB behind for good. The server's threads mostly
+    wait on sockets; two arenas serve them as fast. A no-op where mallopt is missing (musl)."""
     try:
         import ctypes
 

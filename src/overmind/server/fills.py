@@ -6,13 +6,14 @@ Server side, stdlib only.
     fill = admission.fill                      # admission.started: this request runs it
     fills.after_caller(fill)                   # waits while the caller's own load runs
     fills.forked(fill, loader_pid)             # SCHED_IDLE for every thread of the loader
-    done = fills.wait(fill, waiter_pid, join)  # a waiter lends it normal priority
+    done = fills.wait(fill, waiter_pid)        # a waiter lends it normal priority
     fills.finish(fill, remember=True)          # fill.entry or fill.error set: its waiters wake
 
 One ``Fill`` per key (single flight): its outcome, its loader's CPU priority and its progress.
-``Fills`` is the table of them, with who waits for which and the failures they left; the warm
-pool only forks the loader (``WarmPool.start_loader``), and overmind.server.loads hands it
-its references and reads its answer.
+``Fills`` is the table of them, with who waits for which and the failures they left (a
+``Failures``, overmind.server.failures). Whether a caller joins a fill rather than load plainly
+is overmind.server.joins's; the warm pool only forks the loader (``WarmPool.start_loader``), and
+overmind.server.loaders hands it its references and reads its answer.
 
 Note [Cold fills wait for their caller]
 On a miss nobody waits for (Note [Cold loads run behind the caller] in overmind.server.loads)
@@ -71,17 +72,6 @@ yields (0.12 CPU-seconds in 2 s). The fills then starved behind the interpreter'
 and runs 2 to 5 of ``overmind run`` of the ControlNet script found the pipeline still filling
 and were slower for it, so that was taken back; OVERMIND_FILL_YIELD is the bound either way
 (tests/integration/test_cold_priority.py keeps every CPU busy).
-
-Note [Only deterministic failures are remembered]
-A load whose original load function raised will raise again: it is remembered for
-``FAILURE_TTL`` seconds, so later calls load plainly at once instead of paying a loader
-each. So is a result that cannot be rebuilt (Note [Results that cannot be rebuilt] in
-overmind.shared.segments.quirks): the same call gives the same model, and no loader runs it again while
-remembered. A loader that *died* (the OOM killer, a signal, a timeout) says nothing about the
-next try, so the key is tried again; only after ``MAX_DEATHS`` deaths in a row is it
-remembered like a raise. At most ``MAX_FAILURES`` failures are kept (oldest dropped) with
-their text cut to ``MAX_REMEMBERED_TEXT``: a client sending unique failing keys costs the
-server bounded memory.
 """
 
 from __future__ import annotations
@@ -93,96 +83,29 @@ import select
 import socket
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from overmind.shared import protocol as P
 from overmind.shared.settings.config import Config
 from overmind.shared.process.priority import can_lift_idle, every_thread, to_idle, to_normal
+from overmind.server.failures import Failures
 from overmind.server.registry import CacheEntry, Registry, Reply
 
 logger = logging.getLogger("overmind.server.fills")
 
-__all__ = ["Fill", "Fills", "Admission", "MAX_FILLS", "FAILURE_TTL", "MAX_FAILURES", "MAX_DEATHS"]
+__all__ = ["Fill", "Fills", "Admission", "MAX_FILLS"]
 
 MAX_FILLS = 64  # fills in flight (waiting or running) past which a new key starts none: busy
-# Failures remembered at once (Note [Only deterministic failures are remembered]).
-MAX_FAILURES = 256
-FAILURE_TTL = 600.0
-MAX_REMEMBERED_TEXT = 16 << 10  # bytes of a failure's message and traceback kept
-MAX_DEATHS = 3  # loader deaths in a row after which a key is remembered as failing like a raise
 FILL_NICE = 10  # Note [Cold fills yield to their caller]: where SCHED_IDLE could not be lifted
 CALLER_POLL = 0.1  # seconds between two looks at the caller's CPU time
 CALLER_QUIET = 2  # polls in a row under half a core: its load is over
-MAX_RENEWALS = 2  # Note [Joining a fill]
-JOIN_FLOOR = 0.1  # seconds a join waits at least: Note [Joining a fill]
-LATE_REPORT = 0.25  # seconds without a progress report (one comes every 0.1 s) after which a pack's pace is its pace to now
-
-# Note [Joining a fill]
-# A caller that finds its key filling (run 2 of a script, started while run 1's fill still
-# runs) either loads plainly or waits for the fill, lending it normal priority. It waits when
-# the fill should end sooner than a plain load would. A plain load's seconds: what the last
-# caller that loaded plainly reported (PlainLoaded), or what the loader's own call of the
-# original took if less. The first caller's figure includes the imports its load did
-# (transformers imports the model's module inside from_pretrained: 1.55 s for the LM's load
-# in a fresh process, 0.1-0.3 s in a loader or an `overmind run` child, which imported it
-# already); a hit pays those imports too, when it unpickles, so they are no reason to wait.
-# A fill whose loader runs the original is joined: the loader does what a plain load does,
-# with its imports done and a head start (ControlNet run 2 loaded the VAE plainly 27 ms before
-# its fill, forked 0.12 s earlier, was filed). One with no loader yet (waiting for a load slot,
-# or for the fills of the models it refers to) is not: nothing says it is close; nor is one
-# whose loader is a fresh interpreter (Note [A fill never waits for a fork] in
-# overmind.warm.interpreter), which imports everything first.
-# The loader, once it packs, reports the bytes in place and the bytes it expects every 0.1 s
-# (FillProgress, Note [Progress of a pack] in overmind.warm.loader), so the fill's remaining
-# seconds are the bytes left at its rate from the pack's start to its last report, less the
-# time since that report (a report is up to 0.1 s old: counting the bytes it reported over
-# the time to now made the LM's run 2 load plainly beside a fill that ended 0.06 s later; a
-# pack whose reports stopped is timed to now). The rate is one at idle priority: lifted, it
-# goes faster. A packing fill that reports nothing (small, or a result whose bytes cannot be
-# counted) is joined as one still in the original. The wait is bounded by the plain load's
-# seconds: past them the caller loads plainly after all, so a wrong guess costs at most one
-# extra plain load's time (more only on news of the pack, below), and a fill nobody joins still
-# ends within its own bounds.
-# A join that runs out is weighed again, as a caller that came now would weigh it, the wait
-# behind it being spent either way: if the fill has begun to pack since the wait began (ControlNet
-# run 2, 2 cores: it joined the fill of a ControlNet whose loader ran the original, for the 0.08 s
-# a plain load took; the pack began 52 ms into that wait, the caller gave up and the entry was
-# filed 7 ms later), or if the pack, packing all along, reported how far it is (the pipeline's
-# pack, 0.42 s beside run 2 against a plain load of 0.34 s: the caller gave up 51 ms before it was
-# filed). It is weighed again only on news of the pack since the wait began, and at most
-# MAX_RENEWALS times, so a wrong guess costs at most that many more plain loads' time.
-# One exception to news: a join that runs out with the loader still in the original waits once
-# more, for a plain load's time. The loader has run the call a plain load makes, its imports
-# done, for that long at the caller's priority, so the call is close to its end, while giving up
-# costs a whole plain load: ControlNet run 2 (users' venv, 2 cores, both rounds of a curve)
-# joined the pipeline's fill as its loader was forked, for the 0.21 s a plain load took; its pack
-# began 58-107 ms after the caller gave up, and it was filed 0.22 s after, when the caller's plain
-# load of 1.9 GB of private memory ended. The bound stays 1 + MAX_RENEWALS plain loads' time.
-# Two more, from the ControlNet runs 2 that still loaded something plainly (users' venv, 2 cores):
-# - A fill that holds its load slot, its references filed, is joined as one whose loader runs
-#   the original: all that is left before it does is the fork of that loader, 8-50 ms. Run 2
-#   asked for the pipeline 8 ms before its loader was forked, and loaded it plainly.
-# - A join waits at least JOIN_FLOOR. Below that, a fill's fixed steps (the loader's fork, its
-#   answer, the filing, each a few ms to tens of ms on a busy machine) are most of its time, and
-#   a tiny plain figure says nothing of how close it is: run 2 joined the VAE's fill against a
-#   plain load of 0.03 s, twice, and gave up 1 ms before it was filed. A wrong guess then costs
-#   at most 1 + MAX_RENEWALS times JOIN_FLOOR.
-#
-# A fill that writes its result into memory the kernel must hand out fresh is slow where
-# fresh memory is (benchmarks/fresh_memory.py: a guest that reports free memory back to its
-# host fills it at 0.4 GB/s instead of 2.4 GB/s past the last 1.5-3.5 GB freed): the ControlNet
-# workload's pipeline took longer to fill than to load plainly, and runs that came sooner
-# loaded it plainly. Weights that are a model file's own pages are therefore not written at
-# all: the file is their segment (Note [File-backed segments] in overmind.shared.segments.memfd), and
-# they are copied into sealed memory only when the server is idle (Note [Settling file
-# segments] in overmind.server.settle).
 
 
 class Fill:
     """One cache fill in flight; requests for its key wait on it (single flight). Its loader's CPU
-    priority: Note [Cold fills yield to their caller]; its progress: Note [Joining a fill]."""
+    priority: Note [Cold fills yield to their caller]; its progress: Note [Joining a fill] in
+    overmind.server.joins."""
 
     def __init__(self, key: str, background: bool, caller: int = 0) -> None:
         self.key = key
@@ -203,7 +126,7 @@ class Fill:
         self.fresh = False  # its loader is a fresh interpreter (Note [A fill never waits for a fork])
         self.idle = False  # under SCHED_IDLE now: a waiter lifts it
         self.yielded_at = 0.0
-        # Its loader's progress reports (Note [Joining a fill]).
+        # Its loader's progress reports (Note [Joining a fill] in overmind.server.joins).
         self.packing_since = 0.0  # when the pack began (its first report); 0: not yet
         self.reported_at = 0.0  # when its last report came
         self.written = 0
@@ -230,15 +153,8 @@ class Admission:
     reply: Optional[Reply] = None  # a hit
     fill: Optional[Fill] = None  # the fill in flight for the key (``started``: this request must run it)
     started: bool = False
-    failure: object = None  # overmind.shared.protocol.Error of a remembered failure
+    failure: object = None  # overmind.shared.protocol.Error of a remembered failure (overmind.server.failures)
     busy: bool = False  # too many fills in flight: nothing started, nothing remembered
-
-
-@dataclass
-class _Failure:
-    error: object  # overmind.shared.protocol.Error
-    when: float
-    deaths: int = 0  # loader deaths in a row; remembered only from MAX_DEATHS on
 
 
 def _busy_seconds(pid: int) -> float | None:
@@ -271,17 +187,16 @@ class Fills:
     def __init__(self, config: Config, registry: Registry, max_fills: int = MAX_FILLS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.clock = clock  # what a fill's pace is timed by (Note [Joining a fill]); tests step their own
+        self.clock = clock  # what a fill's pace is timed by (overmind.server.joins); tests step their own
         self.registry = registry
         self.max_fills = max_fills
         self.lock = threading.Lock()
         self.fills: dict[str, Fill] = {}  # key -> the fill in flight for it
         self.waits: dict[str, str] = {}  # key of a fill waiting for another key's fill (a reference) -> that key
         self.lenders: dict[str, int] = {}  # key -> processes waiting for it that lend it their priority
-        self.failures: "OrderedDict[str, _Failure]" = OrderedDict()
+        self.failures = Failures()  # under self.lock: Note [Only deterministic failures are remembered] in overmind.server.failures
         self.misses = 0  # clients' loads that started a fill
         self.plain_loads = 0  # clients' loads that neither hit nor started a fill: loads_plainly
-        self.joined = 0  # callers that joined a fill: Note [Joining a fill]
         self.can_lift_idle = can_lift_idle()
         # True while memory is short: no fill starts (Note [The cache gives way] in overmind.server.pressure)
         self.holding_back: Callable[[], bool] = lambda: False
@@ -289,10 +204,11 @@ class Fills:
     def counters(self) -> dict:
         with self.lock:
             return {"misses": self.misses, "plain_loads": self.plain_loads, "loading": len(self.fills),
-                    "remembered_failures": len(self.failures), "joined": self.joined}
+                    "remembered_failures": len(self.failures)}
 
     def packing(self) -> list[dict]:
-        """The fills whose loader reports its pack (Note [Joining a fill]): how far each is."""
+        """The fills whose loader reports its pack (Note [Joining a fill] in overmind.server.joins): how
+        far each is."""
         with self.lock:
             return [{"key": fill.key[:16], "written": fill.written, "expected": fill.expected,
                      "seconds": round(self.clock() - fill.packing_since, 3)}
@@ -320,11 +236,8 @@ class Fills:
                 if fill is not None:
                     return Admission(fill=fill)
                 failure = self.failures.get(key)
-                if failure is not None and time.monotonic() - failure.when > FAILURE_TTL:
-                    del self.failures[key]
-                    failure = None
-                if failure is not None and failure.deaths in (0, MAX_DEATHS):
-                    return Admission(failure=failure.error)
+                if failure is not None:
+                    return Admission(failure=failure)
                 if lookup_only:
                     return Admission()
                 if len(self.fills) >= self.max_fills or self.holding_back():
@@ -345,18 +258,14 @@ class Fills:
 
     def finish(self, fill: Fill, *, remember: bool) -> None:
         """End ``fill``, its ``entry`` or ``error`` set: wake its waiters; remember its failure per
-        Note [Only deterministic failures are remembered]."""
+        Note [Only deterministic failures are remembered] in overmind.server.failures."""
         with self.lock:
             if self.fills.get(fill.key) is fill:
                 del self.fills[fill.key]
             if fill.error is None:
-                self.failures.pop(fill.key, None)
+                self.failures.forget(fill.key)
             else:
-                previous = self.failures.pop(fill.key, None)
-                deaths = 0 if remember else min(MAX_DEATHS, (previous.deaths if previous else 0) + 1)
-                self.failures[fill.key] = _Failure(_trimmed(fill.error), time.monotonic(), deaths)
-                while len(self.failures) > MAX_FAILURES:
-                    self.failures.popitem(last=False)
+                self.failures.record(fill.key, fill.error, remember=remember)
         fill.done.set()
 
     def in_flight_besides(self, key: str) -> bool:
@@ -462,87 +371,14 @@ class Fills:
             logger.info("loader pid %d packs %s: %d MB expected; its call of the original took %.2fs",
                         fill.pid, fill.key[:16], expected >> 20, original_seconds)
 
-    # -- who waits for it: Note [Joining a fill] ------------------------------------------------
+    # -- who waits for it: Note [Cold fills yield to their caller] ------------------------------
 
-    def remaining(self, key: str) -> tuple[float, Fill] | None:
-        """(seconds the fill of ``key`` should still take at its pace so far, the fill); None
-        while that cannot be told: no fill, or its loader still runs the original, or it
-        reported nothing to go by."""
-        with self.lock:
-            fill = self.fills.get(key)
-            if fill is None or not fill.packing_since or not fill.written:
-                return None
-            if fill.written >= fill.expected:  # all in place: the answer is on its way
-                return 0.0, fill
-            now = self.clock()
-            since = now - fill.reported_at
-            if since > LATE_REPORT:  # its reports stopped: its pace up to now
-                return (fill.expected - fill.written) * (now - fill.packing_since) / fill.written, fill
-            # its pace up to its last report, and what it did since at that pace
-            left = (fill.expected - fill.written) * max(fill.reported_at - fill.packing_since, 1e-3) / fill.written
-            return max(left - since, 0.0), fill
-
-    def join(self, key: str, plain: float | None, pid: int) -> float:
-        """Note [Joining a fill]: how long process ``pid``, which found ``key`` filling, should wait
-        for the fill rather than load plainly (``plain``: a plain load's seconds, None when none is
-        known); 0: not at all."""
-        if plain is None:
-            return 0.0
-        progress = self.remaining(key)
-        if progress is None:
-            with self.lock:
-                fill = self.fills.get(key)
-                running = fill is not None and (fill.warm_loader or fill.about_to_run)
-                doing = ("is being forked" if running and fill.about_to_run else
-                         "has begun to pack" if running and fill.packing_since else "runs the original")
-            if running:  # with a head start and its imports done
-                logger.info("pid %d joins the fill of %s: its loader %s, against a plain load of %.2fs", pid,
-                            key[:16], doing, plain)
-                return max(plain, JOIN_FLOOR)
-            logger.info("pid %d loads %s plainly: its fill has %s", pid, key[:16],
-                        "a fresh interpreter for loader, still importing" if fill is not None and fill.fresh
-                        else "no loader yet")
-            return 0.0
-        left, fill = progress
-        weighed = "the last plain load"
-        if fill.original_seconds and fill.original_seconds < plain:  # the first caller's imports are done here too
-            plain, weighed = fill.original_seconds, "the loader's call of the original"
-        wait = max(plain, JOIN_FLOOR)
-        joins = left <= wait
-        logger.info("pid %d %s the fill of %s: %d of %d MB in place, %.2fs left against a plain load of %.2fs (%s)",
-                    pid, "joins" if joins else "loads plainly beside", key[:16], fill.written >> 20,
-                    fill.expected >> 20, left, plain, weighed)
-        return wait if joins else 0.0
-
-    def renew(self, fill: Fill, plain: float | None, pid: int, since: float, first: bool = True) -> float:
-        """Note [Joining a fill]: how long process ``pid``, whose join of ``fill`` (waited for from
-        ``since``, by this clock) ran out, should wait again (``first``: no renewal yet); 0: not at all."""
-        with self.lock:
-            began = fill.packing_since > since
-            reported = fill.packing_since and fill.reported_at > since and fill.written
-            original = fill.warm_loader and not fill.packing_since
-        if not (began or reported):
-            if first and original and plain:  # a plain load's time at normal priority: close to its end
-                logger.info("pid %d waits once more for the fill of %s: its loader still runs the original",
-                            pid, fill.key[:16])
-                return max(plain, JOIN_FLOOR)
-            return 0.0  # no news of the pack since it joined
-        logger.info("pid %d weighs the fill of %s again: %s", pid, fill.key[:16],
-                    "it has begun to pack" if began else "its pack reported how far it is")
-        return self.join(fill.key, plain, pid)
-
-    def wait(self, fill: Fill, waiter: int, join: float = 0.0, renewed: bool = False) -> bool:
-        """Process ``waiter`` waits for ``fill``, lending it normal priority: ``join`` seconds at most
-        if it joined it (``renewed``: again, Note [Joining a fill]), else until the loader timeout.
-        Whether it is done."""
+    def wait(self, fill: Fill, waiter: int, timeout: float = 0.0) -> bool:
+        """Process ``waiter`` waits for ``fill``, lending it normal priority: ``timeout`` seconds at
+        most (a join's: Note [Joining a fill] in overmind.server.joins), else until the loader
+        timeout. Whether it is done."""
         with self.waiting(fill.key, waiter):
-            done = fill.done.wait(join or self.config.loader_timeout + 60)
-        if join:
-            with self.lock:
-                self.joined += not renewed
-            logger.info("pid %d joined the fill of %s%s: %s", waiter, fill.key[:16], " again" if renewed else "",
-                        "served" if done else "gave up")
-        return done
+            return fill.done.wait(timeout or self.config.loader_timeout + 60)
 
     @contextlib.contextmanager
     def waiting(self, key: str, waiter: int):
@@ -559,7 +395,7 @@ class Fills:
     def depends(self, fill: Fill, key: str):
         """``fill`` waits in this block, before its loader starts, for the fill of ``key`` (an
         entry its call refers to: Note [The loader is handed its references] in
-        overmind.server.loads). It lends that fill its priority only if someone waits for it in turn;
+        overmind.server.loaders). It lends that fill its priority only if someone waits for it in turn;
         otherwise a later lift passes on (``_hurry``)."""
         with self.lock:
             self.waits[fill.key] = key
@@ -613,7 +449,3 @@ class Fills:
             logger.warning("loader pid %d filling %s stays at idle priority (%s): the kernel refused", fill.pid,
                            fill.key[:16], why)
 
-
-def _trimmed(error):
-    """A failure as remembered: its text bounded (Note [Only deterministic failures are remembered])."""
-    return type(error)(error.code, error.message[:MAX_REMEMBERED_TEXT], error.traceback[-MAX_REMEMBERED_TEXT:])

@@ -9,11 +9,12 @@ the server keeps a warm interpreter (``overmind.warm.interpreter``) that importe
 and the installed modules the context's earlier loads and runs imported, and forks one
 child per cold load (``overmind.warm.loader``) or run (``overmind.warm.script``). A cold load thus
 pays neither interpreter start-up nor library imports, and a run starts in a fork. Each
-interpreter is a ``WarmProcess`` (overmind.server.warm_process); the fill a loader serves,
-and all said on its job socket, are overmind.server.fills's and overmind.server.loads's. The
-pool is bounded in count (``OVERMIND_WARM_MAX``), memory (``OVERMIND_WARM_MEMORY``, PSS)
-and idle time (``OVERMIND_WARM_IDLE``); retiring an interpreter never kills a load or run
-in progress (Note [Retiring never kills work] in overmind.warm.interpreter).
+interpreter is a ``WarmProcess`` (overmind.server.warm_process), kept by key in the pool's
+``Interpreters`` (overmind.server.interpreters); the fill a loader serves, and all said on its
+job socket, are overmind.server.fills's and overmind.server.loaders's. The pool is bounded in
+count (``OVERMIND_WARM_MAX``), memory (``OVERMIND_WARM_MEMORY``, PSS) and idle time
+(``OVERMIND_WARM_IDLE``); retiring an interpreter never kills a load or run in progress (Note
+[Retiring never kills work] in overmind.warm.interpreter).
 
 Note [Warm interpreters never touch CUDA]
 A process that initialised CUDA cannot fork usable children, so the interpreter only
@@ -30,13 +31,12 @@ import socket
 import subprocess
 import threading
 import time
-import weakref
-from collections import OrderedDict
 from typing import Callable, Optional
 
 from overmind.shared import protocol as P
 from overmind.shared.settings.config import Config
 from overmind.shared.protocol.contexts import Context, RunSpec, load_context_from_wire
+from overmind.server.interpreters import Interpreters
 from overmind.server.lessons import Lessons
 from overmind.server.warm_process import RunRefused, WarmProcess
 
@@ -44,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["WarmPool", "LoadFailure", "context_from_wire", "run_from_wire"]
 
-MAX_CANNOT_FORK = 3  # interpreters of a lineage retired in a row as unable to fork, before its runs go plain
-MAX_ENVIRONMENTS = 64  # lineages whose last environment given is kept (Note [One interpreter per lineage])
 MAX_SAID_PLAIN = 1024  # (lineage, reason) pairs already logged at INFO (WarmPool.goes_plain)
 NOTICE_POLL = 0.25  # seconds between looks for an interpreter's Unforkable (WarmPool.watch_notices)
 
@@ -75,105 +73,27 @@ def run_from_wire(context: object, spec: object) -> tuple[Context, RunSpec]:
 
 
 class WarmPool:
-    """The warm interpreters, one per context, bounded in count, memory and idle time."""
+    """The warm interpreters, one per context, bounded in count, memory and idle time: each prepared,
+    asked for a loader or a run, retired (idle, over memory, unable to fork). Which one serves a
+    context, and the table of them, is its ``interpreters``'."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.lock = threading.Lock()
-        self.interpreters: "OrderedDict[str, WarmProcess]" = OrderedDict()
+        self.lock = threading.Lock()  # runs_plain and _said_plain
         self.lessons = Lessons()  # what each lineage learned (overmind.server.lessons)
+        # the interpreters by key, each lineage's last environment and fork failures (overmind.server.interpreters)
+        self.interpreters = Interpreters(config, self.lessons)
         self._said_plain: set[tuple[str, str]] = set()
         self.runs_plain = 0  # runs refused, and scripts whose one line declined: each in its own process
-        self.retired = 0
         self.closed = False  # the server is stopping: close() was called
-        self._cannot_fork: dict[str, int] = {}  # lineage -> interpreters retired as unable to fork
-        # lineage -> the whole environment its last run or client gave: what an interpreter started
-        # for a load imports under (Note [One interpreter per lineage]); never written to disk
-        self._environments: "OrderedDict[str, dict]" = OrderedDict()
-        self._counted_unforkable: "weakref.WeakSet[WarmProcess]" = weakref.WeakSet()
         # True while memory is short: no interpreter starts (Note [The cache gives way] in overmind.server.pressure)
         self.holding_back: Callable[[], bool] = lambda: False
-
-    def _interpreter(self, context: Context, create: bool = True, env: dict | None = None) -> WarmProcess | None:
-        """The interpreter that serves ``context``, started if ``create`` (Note [One interpreter per
-        lineage]); ``env``: the whole environment of the run or client asking."""
-        with self.lock:
-            if env is not None:
-                self._remember_environment(context, env)
-            key = self._serving(context)
-            interpreter = self.interpreters.get(key)
-            if interpreter is not None and not interpreter.alive:
-                logger.warning("warm interpreter %d for context %s died (exit %s); starting another",
-                               interpreter.proc.pid, key, interpreter.proc.returncode)
-                del self.interpreters[key]
-                interpreter.retire()
-                interpreter = None
-            if interpreter is None and create:
-                key = context.key
-                modules, refused = self.lessons.for_new(context, list(self.interpreters.values()))
-                interpreter = self.interpreters[key] = WarmProcess(
-                    context, self.config, modules, refused, on_reads=self.lessons.heard_reads,
-                    packages=self.lessons.packages_for(context),
-                    env=env if env is not None else self._environments.get(context.lineage))
-            if interpreter is not None:
-                self.interpreters.move_to_end(key)
-            victims = []
-            while len(self.interpreters) > self.config.warm_max:
-                victims.append(self.interpreters.popitem(last=False)[1])
-        for victim in victims:
-            self._retire(victim, "over OVERMIND_WARM_MAX")
-        return interpreter
-
-    def _serving(self, context: Context) -> str:
-        """The key of the interpreter that serves ``context`` (Note [One interpreter per lineage]):
-        its own; for a context as a client sent it (a load's, a Prepare's), the most recently used
-        interpreter of its lineage when none has its key. Under self.lock."""
-        if context.key in self.interpreters or context.family:
-            return context.key
-        for key in reversed(self.interpreters):
-            if self.interpreters[key].context.lineage == context.lineage:
-                return key
-        return context.key
-
-    def _remember_environment(self, context: Context, env: dict) -> None:
-        """Under self.lock."""
-        self._environments[context.lineage] = env
-        self._environments.move_to_end(context.lineage)
-        while len(self._environments) > MAX_ENVIRONMENTS:
-            self._environments.popitem(last=False)
-
-    def _retire(self, interpreter: WarmProcess, why: str) -> None:
-        with self.lock:
-            if self.interpreters.get(interpreter.context.key) is interpreter:
-                del self.interpreters[interpreter.context.key]
-            self.lessons.remember(interpreter)
-            self.retired += 1
-        logger.info("retiring warm interpreter %d (%s)", interpreter.proc.pid, why)
-        interpreter.retire()
-
-    def _retire_unforkable(self, interpreter: WarmProcess, why: str) -> bool:
-        """Retire one that cannot fork; whether its lineage may have another (Note [Threads libraries
-        start] in overmind.warm.fork_safety): each successor keeps out the modules that started
-        threads, so it forks; after MAX_CANNOT_FORK in a row that did not, its runs go plain, never
-        in a loop of interpreters started and retired."""
-        lineage = interpreter.context.lineage
-        with self.lock:
-            if interpreter in self._counted_unforkable:  # found so by another path too: counted once
-                return self._cannot_fork.get(lineage, 0) < MAX_CANNOT_FORK
-            self._counted_unforkable.add(interpreter)
-            count = self._cannot_fork[lineage] = self._cannot_fork.get(lineage, 0) + 1
-        self._retire(interpreter, why)
-        if count == MAX_CANNOT_FORK:
-            logger.warning("%d warm interpreters of context %s in a row could not fork; its runs go plain (its "
-                           "loads still fill, each in a fresh interpreter)", count, interpreter.context.key)
-        return count < MAX_CANNOT_FORK
 
     def _learn_packages(self, context: Context, packages: list) -> None:
         """Note [AOTInductor packages are handed over] in overmind.shared.calls.compiled: every interpreter
         of the lineage preloads them (a run may be forked from a variant keyed on what imports read)."""
         self.lessons.add_packages(context, packages)
-        with self.lock:
-            interpreters = [i for i in self.interpreters.values() if i.context.lineage == context.lineage]
+        interpreters = [i for i in self.interpreters.live() if i.context.lineage == context.lineage]
         for interpreter in interpreters:
             with interpreter.lock:
                 if not interpreter.retired and interpreter.alive:
@@ -195,7 +115,7 @@ class WarmPool:
             if modules:
                 self.lessons.add(context, modules)
             for _ in range(2):
-                interpreter = self._interpreter(context, env=env)
+                interpreter = self.interpreters.get(context, env=env)
                 with interpreter.lock:
                     if not interpreter.ready and not interpreter.retired:
                         interpreter._wait_ready()
@@ -204,7 +124,7 @@ class WarmPool:
                         P.send_message(interpreter.sock, P.Warm(list(modules)))
                 # Note [A tainted interpreter says so at once] in overmind.warm.interpreter: its successor
                 # starts now, under the same environment, and learns what it learned but the refused.
-                if not tainted or not self._retire_unforkable(interpreter, interpreter.unforkable):
+                if not tainted or not self.interpreters.retire_unforkable(interpreter, interpreter.unforkable):
                     break
                 env = interpreter.start_env
             if packages:
@@ -220,47 +140,33 @@ class WarmPool:
         """Fork the loader of one fill (the load of ``key``) from the context's warm interpreter,
         started if need be: (its job socket, its pid, whether it is a fresh interpreter because
         the warm one could not fork), or LoadFailure. What is said on the job socket is
-        overmind.server.loads's (Note [The loader is handed its references])."""
+        overmind.server.loaders's (Note [The loader is handed its references] there)."""
         for attempt in (1, 2):
             try:
-                interpreter = self._interpreter(context)
+                interpreter = self.interpreters.get(context)
                 if self._said_unforkable(interpreter):  # its successor forks the Job once ready
-                    interpreter = self._interpreter(context)
+                    interpreter = self.interpreters.get(context)
             except OSError as err:  # the interpreter cannot be executed at all
                 raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
                                   f"could not start a warm interpreter with {context.python}: {err}") from None
             try:
                 job, pid = interpreter.start_job(key, blob, list(modules), sys_path, cwd)
                 fresh = bool(interpreter.unforkable)  # it said so as it took the job
-                if interpreter.unforkable and self._retire_unforkable(interpreter, interpreter.unforkable):
+                if interpreter.unforkable and self.interpreters.retire_unforkable(interpreter, interpreter.unforkable):
                     self.prepare_soon(context, None)  # its successor keeps out what started the threads
                 break
             except (OSError, EOFError, P.ProtocolError, P.RemoteError, RunRefused) as err:
                 logger.warning("warm interpreter %d could not start job %s: %s", interpreter.proc.pid, key[:16], err)
                 ended = "" if interpreter.ready else interpreter.exit_note()
                 if interpreter.ready:
-                    self._retire(interpreter, str(err))
+                    self.interpreters.retire(interpreter, str(err))
                 else:
-                    self._discard(interpreter)
+                    self.interpreters.discard(interpreter)
                 if attempt == 2:
                     raise LoadFailure(P.ErrorCode.LOADER_CRASHED,
                                       f"could not start a loader: {ended or f'{context.python}: {err}'}; "
                                       f"see {self.config.log_path}") from None
         return job, pid, fresh
-
-    def _rekey(self, lineage: str) -> None:
-        """Note [A run's interpreter imports under the run's environment]."""
-        with self.lock:
-            kept, extra = _filed_by_own_values(self.interpreters, lineage, self.lessons.with_reads)
-            if kept is None:
-                return
-            self.interpreters = kept
-            for interpreter in extra:
-                self.lessons.remember(interpreter)
-                self.retired += 1
-        for interpreter in extra:
-            logger.info("retiring warm interpreter %d (another imported under the same settings)", interpreter.proc.pid)
-            interpreter.retire()
 
     def prepare_soon(self, context: Context, env: dict | None) -> None:
         """``prepare`` in the background, for the next run after one that was refused (``env``: its
@@ -281,13 +187,11 @@ class WarmPool:
     def fork_run(self, context: Context, spec: RunSpec, fds: list[int]) -> int:
         """Fork a run from the context's ready interpreter; its pid, or RunRefused (and one is
         made ready for next time)."""
-        with self.lock:
-            self._remember_environment(context, spec.env)
-        self._rekey(context.lineage)
+        self.interpreters.remember_environment(context, spec.env)
+        self.interpreters.rekey(context.lineage)  # Note [A run's interpreter imports under the run's environment]
         base, context = context, self.lessons.with_reads(context, spec.env)
-        interpreter = self._interpreter(context, create=False)
-        with self.lock:
-            given_up = self._cannot_fork.get(context.lineage, 0) >= MAX_CANNOT_FORK
+        interpreter = self.interpreters.get(context, create=False)
+        given_up = self.interpreters.given_up(context.lineage)
         if interpreter is None or not interpreter.ready:
             if given_up:
                 raise RunRefused("this context's warm interpreters cannot fork (see the server log): runs go plain")
@@ -296,47 +200,44 @@ class WarmPool:
             raise RunRefused("no warm interpreter for this context yet; one is starting")
         try:
             pid = interpreter.fork_run(spec, fds)
-            with self.lock:
-                self._cannot_fork.pop(context.lineage, None)
+            self.interpreters.forked(context.lineage)
             return pid
         except P.RemoteError as err:
             if err.code == P.ErrorCode.ENV_DIFFERS:  # it told us what its imports read: key on that now
-                self._rekey(base.lineage)
+                self.interpreters.rekey(base.lineage)
                 again = self.lessons.with_reads(base, spec.env)
-                if self._interpreter(again, create=False) is None:
+                if self.interpreters.get(again, create=False) is None:
                     self.prepare_soon(again, spec.env)
                 raise RunRefused(f"{err.message} (Note [Settings an import read]); an interpreter imported "
                                  "under this run's environment is starting") from None
             if err.code != P.ErrorCode.NOT_FORKABLE:
                 raise RunRefused(err.message) from None
-            if not self._retire_unforkable(interpreter, err.message):
+            if not self.interpreters.retire_unforkable(interpreter, err.message):
                 raise RunRefused(f"the warm interpreter cannot fork ({err.message}); this context's runs go "
                                  "plain until the server restarts") from None
             self.prepare_soon(context, spec.env)
             raise RunRefused(f"the warm interpreter cannot fork ({err.message}); a fresh one is starting") from None
         except (OSError, EOFError, P.ProtocolError) as err:
-            self._retire(interpreter, str(err))
+            self.interpreters.retire(interpreter, str(err))
             raise RunRefused(f"the warm interpreter failed ({err})") from None
 
     def housekeeping(self) -> None:
         """Retire interpreters idle past OVERMIND_WARM_IDLE, then the least recently used while
         their memory exceeds OVERMIND_WARM_MEMORY."""
         now = time.time()
-        with self.lock:
-            interpreters = list(self.interpreters.values())
+        interpreters = self.interpreters.live()
         self.take_notices()
         for interpreter in interpreters:
             if interpreter.ready and now - interpreter.last_used > self.config.warm_idle:
-                self._retire(interpreter, f"idle for {now - interpreter.last_used:.0f}s")
-        with self.lock:
-            interpreters = list(self.interpreters.values())  # least recently used first
+                self.interpreters.retire(interpreter, f"idle for {now - interpreter.last_used:.0f}s")
+        interpreters = self.interpreters.live()  # least recently used first
         sizes = {z.proc.pid: z.pss() for z in interpreters}
         total = sum(sizes.values())
         for interpreter in interpreters[:-1]:  # the most recent one stays, whatever its size
             if total <= self.config.warm_memory:
                 break
             total -= sizes[interpreter.proc.pid]
-            self._retire(interpreter, "over OVERMIND_WARM_MEMORY")
+            self.interpreters.retire(interpreter, "over OVERMIND_WARM_MEMORY")
 
     def retire_for_memory(self, wait: float = 2.0) -> tuple | None:
         """Retire the least recently used interpreter that is not being asked to fork right now, for
@@ -349,10 +250,10 @@ class WarmPool:
             interpreter.lock.release()
             pss = interpreter.pss()
             if interpreter.ready:
-                self._retire(interpreter, "memory is short")
+                self.interpreters.retire(interpreter, "memory is short")
             else:  # still importing: it has no child yet, and takes more memory every second
                 logger.info("stopping warm interpreter %d, still importing (memory is short)", interpreter.proc.pid)
-                self._discard(interpreter)
+                self.interpreters.discard(interpreter)
             try:  # its memory is back only once it exited (at once, unless a run or load of it goes on)
                 interpreter.proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
@@ -393,34 +294,23 @@ class WarmPool:
             tainted = interpreter.take_notice()
         finally:
             interpreter.lock.release()
-        return tainted and self._retire_unforkable(interpreter, interpreter.unforkable)
-
-    def _discard(self, interpreter: WarmProcess) -> None:
-        with self.lock:
-            if self.interpreters.get(interpreter.context.key) is interpreter:
-                del self.interpreters[interpreter.context.key]
-        interpreter.kill()
+        return tainted and self.interpreters.retire_unforkable(interpreter, interpreter.unforkable)
 
     def live(self) -> list:
         """Every warm interpreter (``WarmProcess``), least recently used first."""
-        with self.lock:
-            return list(self.interpreters.values())
+        return self.interpreters.live()
 
     def describe(self) -> list:
         self.take_notices()  # what status shows is what a run would find
         now = time.time()
-        with self.lock:
-            interpreters = list(self.interpreters.items())
+        interpreters = self.interpreters.by_key()
         return [{"pid": z.proc.pid, "context": k, "python": z.context.python, "ready": z.ready, "alive": z.alive,
                  "modules": z.modules or len(z.imported), "pss": z.pss(), "age": now - z.started,
                  "idle": now - z.last_used, "jobs": z.jobs, "runs": z.runs} for k, z in interpreters]
 
     def close(self) -> None:
         self.closed = True
-        with self.lock:
-            interpreters = list(self.interpreters.values())
-            self.interpreters.clear()
-        for interpreter in interpreters:
+        for interpreter in self.interpreters.take_all():
             if interpreter.ready:
                 interpreter.retire()
             else:
@@ -436,44 +326,6 @@ class WarmPool:
 # the same shell, which would go plain again while yet another interpreter imports (measured:
 # a torch.compile script's run 2 at 1.1 x plain, an AOTInductor script's at 1.2-2.2 x). Once
 # its lineage knows what imports read, an interpreter belongs under the key of its own values
-# of those (``_rekey``): a run with the same values is forked from it, and one with other values
-# gets an interpreter of its own instead of being refused by this one for good.
-
-# Note [One interpreter per lineage]
-# A load or a Prepare names its context as the client sent it, without the values of what the
-# imports read; the lineage's interpreter may be filed under the key of its own values
-# (``_rekey``). Such a client is served by the lineage's most recently used interpreter, not by a
-# second one that would import the same thousands of modules again (seconds of CPU, as much
-# memory again); a loader keeps only what selects the context (overmind.warm.loader), so which
-# one it forks from does not change a fill. An interpreter started without a whole environment
-# (by a load, after its predecessor retired; by a Prepare that got there before its
-# predecessor's successor) imports under the last one a run or a client of the lineage gave
-# (``overmind run``, ``monkey_patch_all()``, a first run's report). Under only the context's, it
-# would not see the shell's other settings its imports read (CI, COLUMNS, a library's own), be
-# filed under a key no run of that shell has, and the next runs would go plain while yet
-# another interpreter imported (seen once in CI: runs 2 and 3 of a curve plain).
-
-def _filed_by_own_values(interpreters: "OrderedDict[str, WarmProcess]", lineage: str, with_reads):
-    """(the interpreters with those of ``lineage`` filed under their own values of what their imports
-    read, each in its place among the least recently used; those that lost their key to another), or
-    (None, []) when each is filed so already. Of two that end up with one key, the ready, more
-    recently used one stays."""
-    owned = {key: with_reads(interpreter.context, interpreter.start_env) for key, interpreter in interpreters.items()
-             if interpreter.context.lineage == lineage}
-    if all(own.key == key for key, own in owned.items()):
-        return None, []
-    kept: "OrderedDict[str, WarmProcess]" = OrderedDict()
-    extra = []
-    for key, interpreter in interpreters.items():  # least recently used first
-        own = owned.get(key)
-        if own is not None:
-            interpreter.context = own
-            key = own.key
-        other = kept.get(key)
-        if other is not None:  # the later one is the more recently used
-            stays, goes = (interpreter, other) if interpreter.ready or not other.ready else (other, interpreter)
-            extra.append(goes)
-            kept.pop(key)
-            interpreter = stays
-        kept[key] = interpreter
-    return kept, extra
+# of those (``Interpreters.rekey`` in overmind.server.interpreters): a run with the same values
+# is forked from it, and one with other values gets an interpreter of its own instead of being
+# refused by this one for good.

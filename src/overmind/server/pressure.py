@@ -6,6 +6,8 @@
     guard.room_for(nbytes)       # may a copy, a refill or an interpreter take that much now?
     guard.describe()             # `overmind status`'s "memory"
 
+What was let go is owed to the comeback (overmind.server.comeback), which brings it back.
+
 Note [The cache gives way]
 The server is a guest on the user's machine. Its sealed memfds are shared memory the kernel
 cannot reclaim without swap, and a write-sealed memfd cannot be hole-punched: killing the
@@ -53,8 +55,6 @@ and no refill fights it. ``overmind status`` counts what is still owed as pendin
 from __future__ import annotations
 
 import logging
-import os
-import stat
 import threading
 import time
 from collections import deque
@@ -62,7 +62,7 @@ from typing import Callable, Optional
 
 from overmind.shared.settings.config import Config
 from overmind.shared.settings.host_memory import HostMemory
-from overmind.shared.segments.memfd import RESIDENT, cached_share, hold_pages
+from overmind.server.comeback import Comeback
 
 logger = logging.getLogger("overmind.server.pressure")
 
@@ -73,8 +73,6 @@ CALM = 5.0  # seconds with nothing short before anything comes back
 STALL_SHARE = 0.10  # of STALL_WINDOW some task stalled on memory (PSI "some")
 STALL_WINDOW = 1.0  # seconds stalls are summed over
 END_AFTER = 1.0  # seconds nothing is short before an event ends (one job's growth is one event)
-RETRY = 2.0  # seconds before what found no room to come back is tried again
-SETTLE_WAIT = 120.0  # seconds the comeback waits for the settler to settle again what it served from files
 SLACK_SHARE, SLACK_MAX = 0.10, 512 << 20  # freed beyond the headroom, and kept free by a comeback
 STEP_WAIT = 0.05  # seconds for a let-go to show in MemAvailable before the next look
 KINDS = ("copies", "unsettled", "unsettled_bytes", "interpreters", "entries", "entry_bytes")
@@ -90,14 +88,14 @@ def _gib(n: float) -> str:
 
 
 class Guard:
-    """The one thread that watches memory and lets the cache go and come back (Note [The cache gives way])."""
+    """The one thread that watches memory, lets the cache go and says when it may come back (Note [The
+    cache gives way]); what was let go is its ``comeback``'s."""
 
     def __init__(self, config: Config, registry, pool, settler, restore, stopping: threading.Event,
                  host: Optional[HostMemory] = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry  # overmind.server.registry.Registry
         self.pool = pool  # overmind.server.pool.WarmPool
         self.settler = settler  # overmind.server.settle.Settler
-        self.restore = restore  # overmind.server.restore.Restore
         self.stopping = stopping
         self.clock = clock  # what calm and stalls are timed by; tests step their own
         self.host = host or HostMemory.read()
@@ -111,24 +109,19 @@ class Guard:
         self._stalls: deque = deque()  # (when, PSI "some" total µs) over the last STALL_WINDOW
         self._stall_step = 0.0  # when stalls last made it let go of one thing
         self._fine_since = 0.0  # since when, in an event, nothing was short
-        self._read_back_owed = False  # an event pushed pages out: Note [The cache gives way]
         self.events = 0
         self.last_event: Optional[dict] = None
         self.totals = dict.fromkeys(KINDS, 0)
-        self._gone_interpreters: list = []  # (context, env, pss) retired under pressure, to start again
-        self._gone_entries: list = []  # keys evicted under pressure, to refill
-        self._coming_back: Optional[threading.Thread] = None
-        self._bringing = 0  # interpreters and entries the comeback thread is bringing back now
-        self._unsettled: list = []  # (dev, ino) of segments served from their files, to settle again
-        self._retry_at = 0.0  # what found no room is tried again from then
-        self._brought = 0  # what came back
+        # What was let go and is owed back (overmind.server.comeback). Its lock is its own: taken
+        # under this one's (describe, _begin), never the other way round.
+        self.comeback = Comeback(registry, pool, settler, restore, stopping, self.room_for, self.pressed, clock)
 
     def holds_back(self, fills) -> None:
         """While memory is short, the settler copies nothing, the pool starts no interpreter and
-        ``fills`` (overmind.server.fills.Fills) start no fill; the settler copies only where
-        ``may_settle``."""
+        ``fills`` (overmind.server.fills.Fills) start no fill; the settler copies only where the
+        comeback says it may (``Comeback.may_settle``)."""
         self.settler.pressed = self.pool.holding_back = fills.holding_back = self.pressed
-        self.settler.may_copy = self.may_settle
+        self.settler.may_copy = self.comeback.may_settle
 
     # -- what others ask -----------------------------------------------------------------------
 
@@ -147,7 +140,8 @@ class Guard:
                     "pressed": self._pressed, "events": self.events,
                     "last_event": None if self.last_event is None else
                     {**self.last_event, "let_go": dict(self.last_event["let_go"])},
-                    "let_go": dict(self.totals), "comeback": self._comeback()}
+                    "let_go": dict(self.totals),
+                    "comeback": self.comeback.describe(not self._pressed and self.clock() - self._calm_since >= CALM)}
 
     # -- the thread ----------------------------------------------------------------------------
 
@@ -177,8 +171,8 @@ class Guard:
             elif stalled >= STALL_SHARE and low and now - self._stall_step >= STALL_WINDOW:
                 self._stall_step = now  # stalls with memory getting low: one step a window
                 self._let_go(available, steps=1)
-        elif now - self._calm_since >= CALM and now >= self._retry_at and self._owed():
-            self._come_back()
+        elif now - self._calm_since >= CALM and self.comeback.due(now):
+            self.comeback.start()
 
     def _stalled(self, now: float) -> float:
         """The share of the last STALL_WINDOW that some task stalled on memory (PSI), or 0."""
@@ -200,7 +194,7 @@ class Guard:
         logger.warning("memory is short (%s; %s): letting go of the cache", why, self.host.limit.source)
         with self.lock:
             self._pressed = True
-            self._read_back_owed = True  # the pages it pushes out come back after
+            self.comeback.owe_read_back()  # the pages it pushes out come back after
             self._fine_since = self.clock()
             self.events += 1
             self.last_event = {"started": time.time(), "why": why, "available": available, "ended": None,
@@ -219,7 +213,7 @@ class Guard:
                 if event["seconds"] is None:
                     event["seconds"] = round(self.clock() - self._event_start, 3)
         logger.info("memory is no longer short (%s available)%s", _gib(available),
-                    f"; what was let go comes back after {CALM:g}s of calm" if self._owed() else "")
+                    f"; what was let go comes back after {CALM:g}s of calm" if self.comeback.owed() else "")
 
     def _count(self, kind: str, n: int) -> None:
         with self.lock:
@@ -263,186 +257,21 @@ class Guard:
         unsettled = self.settler.unsettle_one(order)
         if unsettled is not None:
             ident, nbytes = unsettled
-            with self.lock:
-                self._unsettled.append(ident)
+            self.comeback.owe_unsettled(ident)
             self._count("unsettled", 1)
             self._count("unsettled_bytes", nbytes)
             return True
         retired = self.pool.retire_for_memory()
         if retired is not None:
-            self._gone_interpreters.append(retired)
+            self.comeback.owe_interpreter(retired)
             self._count("interpreters", 1)
             return True
         evicted = self.registry.evict_least_recent()
         if evicted is not None:
             key, description, nbytes = evicted
             logger.info("evicted %s (%s, %s) for memory", key[:16], description, _gib(nbytes))
-            self._gone_entries.append(key)
+            self.comeback.owe_entry(key)
             self._count("entries", 1)
             self._count("entry_bytes", nbytes)
             return True
         return False
-
-    # -- coming back ---------------------------------------------------------------------------
-
-    def _owed(self) -> bool:
-        return bool(self._gone_interpreters or self._gone_entries or self._read_back_owed or self._unsettled)
-
-    def _comeback(self) -> dict:
-        """Under self.lock."""
-        pending = len(self._gone_interpreters) + len(self._gone_entries) + int(self._read_back_owed) + \
-            len(self._unsettled) + self._bringing
-        if self._coming_back is not None and self._coming_back.is_alive():
-            state = "coming back"
-        elif not pending:
-            state = "idle"
-        elif self._pressed or self.clock() - self._calm_since < CALM:
-            state = "waiting for calm"
-        else:
-            state = "waiting for room"
-        return {"state": state, "pending": pending, "done": self._brought}
-
-    def _come_back(self) -> None:
-        if self._coming_back is not None and self._coming_back.is_alive():
-            return
-        with self.lock:
-            interpreters, self._gone_interpreters = self._gone_interpreters, []
-            entries, self._gone_entries = self._gone_entries, []
-            self._bringing = len(interpreters) + len(entries)  # the read-back and settling count as they stand
-            self._coming_back = threading.Thread(target=self._bring_back, args=(interpreters, entries),
-                                                 daemon=True, name="overmind-comeback")
-        self._coming_back.start()
-
-    def _bring_back(self, interpreters: list, entries: list) -> None:
-        """Interpreters first (a run's start is most of what a user waits for), then the entries,
-        newest first, then the pages the event pushed out (the model files the cache serves from,
-        the interpreters' libraries), then the segments it served from their files are settled
-        again; what finds no room waits for the next calm."""
-        left_interpreters: list = []
-        try:
-            for context, env, pss in reversed(interpreters):  # the most recently used first
-                if self.room_for(pss):
-                    logger.info("memory is free again: starting the warm interpreter of context %s", context.key)
-                    self.pool.prepare(context, env=env)
-                    self._brought_back(1)
-                else:
-                    left_interpreters.insert(0, (context, env, pss))
-            refilled, left_entries = self.restore.bring_back(list(reversed(entries)), self.room_for) \
-                if entries else (0, [])
-            with self.lock:  # those left for room are pending again below; those that failed are gone
-                self._brought += refilled
-                self._bringing = max(0, self._bringing - len(entries))
-            if self._read_back_owed:
-                asked, complete = self._read_back_files()
-                for pid in self.pool.pids():
-                    more, whole = read_back_mapped_files(pid, self.room_for)
-                    asked, complete = asked + more, complete and whole
-                logger.info("read back %s of model files and warm interpreters' libraries%s", _gib(asked),
-                            "" if complete else "; the rest waits for room")
-                if complete:
-                    with self.lock:
-                        self._read_back_owed = False
-                        self._brought += 1
-            if not self._read_back_owed and self._unsettled:
-                self._settle_again()
-        finally:
-            with self.lock:
-                self._bringing = 0
-                self._retry_at = self.clock() + RETRY
-                self._gone_interpreters[:0] = left_interpreters  # anything let go meanwhile comes after
-                self._gone_entries[:0] = list(reversed(left_entries))
-        if interpreters or entries:
-            logger.info("came back after memory was short: %d warm interpreters, %d entries refilled; %d wait for "
-                        "room", len(interpreters) - len(left_interpreters), refilled,
-                        len(left_interpreters) + len(left_entries))
-
-    def _settle_again(self) -> None:
-        """The segments it served from their files go back into sealed memory now, from the page
-        cache the read-back filled, as they were before the event (the settler copies them; a hit
-        then maps huge pages, not the file's 4 KiB pages); this thread waits, counting them pending."""
-        wanted = set(self._unsettled)
-        self.settler.settle_soon(wanted)
-        deadline = self.clock() + SETTLE_WAIT
-        while not self.stopping.is_set() and self.clock() < deadline:
-            files = set()
-            for ident, _, fd in self.registry.file_segments():
-                os.close(fd)
-                files.add(ident)
-            left = wanted & files
-            with self.lock:
-                done = [ident for ident in self._unsettled if ident not in left]
-                self._unsettled = [ident for ident in self._unsettled if ident in left]
-                self._brought += len(done)
-            if not left or self._pressed:
-                break
-            self.stopping.wait(0.2)
-        self.settler.settle_soon(set())
-
-    def _brought_back(self, n: int) -> None:
-        with self.lock:
-            self._brought += n
-            self._bringing = max(0, self._bringing - n)
-
-    def _read_back_files(self) -> tuple[int, bool]:
-        """Read the model files the cache serves from back into the page cache (the most recently
-        used entries' first), each where it fits: their next hits then cost no disk. (Bytes asked,
-        whether all fitted.)"""
-        asked, complete = 0, True
-        for ident, size, fd in self.registry.file_segments():
-            try:
-                read = read_back(fd, size, self.room_for)
-            finally:
-                os.close(fd)
-            asked, complete = asked + (read or 0), complete and read is not None
-        return asked, complete
-
-    def may_settle(self, nbytes: int) -> bool:
-        """May the settler copy ``nbytes`` into sealed memory now? Only where they fit, and not
-        while pages an event pushed out are still owed: the read-back brings them back first, and
-        the settler then copies them from the page cache, not from disk beside a user's run."""
-        return not self._read_back_owed and self.room_for(nbytes)
-
-
-def read_back(fd: int, size: int, room_for: Callable[[int], bool]) -> Optional[int]:
-    """Read the file ``fd``'s first ``size`` bytes into the page cache now, unless it holds them
-    (RESIDENT) or ``room_for`` what is missing says no (None); the bytes it read. Nothing is
-    copied to us: the pages are mapped with their tables filled, then unmapped."""
-    share = cached_share(fd, size)
-    missing = size if share is None else int(size * (1 - share))
-    if missing <= 0 or (share is not None and share >= RESIDENT):
-        return 0
-    if not room_for(missing):
-        return None
-    mapping = hold_pages(fd, size)
-    if mapping is not None:
-        mapping.close()
-    return missing
-
-
-def read_back_mapped_files(pid: int, room_for: Callable[[int], bool]) -> tuple[int, bool]:
-    """Read back the files process ``pid`` maps (a warm interpreter's libraries, which a job that
-    needed the memory pushed out of the page cache): (bytes asked, whether all fitted)."""
-    paths: dict = {}
-    try:
-        with open(f"/proc/{pid}/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith("/") and fields[4] != "0":
-                    paths[fields[5].rstrip("\n")] = None
-    except OSError:
-        return 0, True
-    asked, complete = 0, True
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue  # deleted, or not ours to read
-        try:
-            st = os.fstat(fd)
-            read = read_back(fd, st.st_size, room_for) if stat.S_ISREG(st.st_mode) and st.st_size > 0 else 0
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-        asked, complete = asked + (read or 0), complete and read is not None
-    return asked, complete

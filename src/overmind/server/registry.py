@@ -223,7 +223,7 @@ class Registry:
     def pinned(self, key: str) -> Optional[tuple[Reply, list[int]]]:
         """A hit for ``key`` with duplicates of its live segments' fds, in slot order (the caller
         closes them): what a loader gets of an entry its call refers to (Note [The loader is
-        handed its references] in overmind.server.loads). None if there is no fresh entry."""
+        handed its references] in overmind.server.loaders). None if there is no fresh entry."""
         entry = self._fresh_entry(key)
         if entry is None:
             return None

@@ -18,7 +18,7 @@ interpreter, at idle CPU priority, through every check a client's request goes t
 Clients go first: a refill starts only when no client's fill is in flight (for at most
 CLIENT_FIRST seconds), runs at SCHED_IDLE, and takes one load slot of ``OVERMIND_WORKERS`` at
 a time. A client asking for an entry being refilled joins it as it would join any fill (the
-last plain load time is kept too: Note [Joining a fill] in overmind.server.fills); one asking
+last plain load time is kept too: Note [Joining a fill] in overmind.server.joins); one asking
 for an entry not refilled yet loads it as a miss, and the restore then finds it cached.
 
 Note [Never stale]
@@ -138,7 +138,7 @@ class Restore:
             self.loads.history.restore(state.programs)
         for entry in state.entries:
             if entry["plain_seconds"] is not None:
-                self.loads.remember_plain_seconds(entry["request"].key, float(entry["plain_seconds"]))
+                self.loads.joins.remember_plain_seconds(entry["request"].key, float(entry["plain_seconds"]))
 
     def _prepare_interpreters(self, state) -> list:
         wanted = []
@@ -287,7 +287,7 @@ class Restore:
 def _refs_first(records: list) -> list:
     """``records`` in their order, each after those of the entries it refers to (a pipeline's
     ``vae=vae``): its refill hands its loader those entries (Note [The loader is handed its
-    references] in overmind.server.loads)."""
+    references] in overmind.server.loaders)."""
     by_key = {r["request"].key: r for r in records}
     ordered: dict = {}
 

@@ -341,7 +341,7 @@ class StateKeeper:
         self.registry = registry
         self.pool = pool
         self.history = history
-        self.plain_seconds = plain_seconds or (lambda key: None)  # key -> a plain load's seconds (Loads)
+        self.plain_seconds = plain_seconds or (lambda key: None)  # key -> a plain load's seconds (Joins)
         self.path = config.state_path
         self.dir_fd = -1
         self.problem = ""  # why no state is kept or the old one was not used: said once, shown in the status
