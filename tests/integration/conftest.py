@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,17 +42,24 @@ def lose_from_page_cache(path: Path) -> None:
 
 
 class ServerProcess:
-    def __init__(self, runtime_dir: Path, extra_env: dict | None = None, args: tuple = ()) -> None:
+    """A real overmind-server in the foreground, started and stopped by ``running_server`` (the
+    ``server`` and ``make_server`` fixtures): tests never construct one themselves."""
+
+    def __init__(self, runtime_dir: Path, extra_env: dict | None = None, args: tuple = (), *,
+                 under: tuple = (), code: str | None = None, stop_signal: int = signal.SIGTERM) -> None:
         self.runtime_dir = runtime_dir
         self.env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_NO_AUTOSTART="1", **(extra_env or {}))
+        self.stop_signal = stop_signal
+        server = ["-c", code] if code is not None else ["-m", "overmind.server", "--foreground"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "overmind.server", "--foreground", *args],
+            [*under, sys.executable, *server, *args],
             env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         )
         line = self.proc.stdout.readline()  # the readiness line; blocks until listening
         if "ready" not in line:
             self.proc.kill()
-            raise RuntimeError(f"server did not start: {line!r} {self.proc.stderr.read()[-2000:]}")
+            _, err = self.proc.communicate(timeout=30)  # reaped, its pipes closed
+            raise RuntimeError(f"server did not start: {line!r} {err[-2000:]}")
         self.pid = self.proc.pid
 
     @property
@@ -106,9 +116,11 @@ class ServerProcess:
             return ""
 
     def stop(self) -> None:
+        """Stop it with its ``stop_signal`` (woken first: a test may have stopped it); a no-op once
+        it is gone, so a test may stop it early (a restart) and the finalizer again."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
+            self.proc.send_signal(self.stop_signal)
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
@@ -119,14 +131,51 @@ class ServerProcess:
                 stream.close()
 
 
+@contextlib.contextmanager
+def running_server(runtime_dir: Path | None = None, env: dict | None = None, *, args: tuple = (), under: tuple = (),
+                   code: str | None = None, stop_signal: int = signal.SIGTERM,
+                   prefix: str = "om-") -> Iterator[ServerProcess]:
+    """The one place the tests start a real overmind-server subprocess: ready when entered (it
+    printed its readiness line), stopped on leaving, whatever the test did to it.
+
+    ``runtime_dir``: where it runs; by default a new short one in /tmp whose name starts with
+    ``prefix``, removed after.
+    ``env``: settings of its own (``OVERMIND_*``, ``LD_PRELOAD``), also in its ``client_env()``.
+    ``args``: command-line flags (``--max-memory``). ``under``: the command it runs under
+    (``unshare --pid ...``, ``prlimit ...``, ``setpriv ...``). ``code``: the Python it runs in
+    place of ``-m overmind.server --foreground`` (a server patched to act as an older one).
+    ``stop_signal``: what the finalizer sends it (SIGKILL where a clean shutdown would hang, or to
+    take a wrapper down with it).
+
+    Function-scoped tests use the ``server`` and ``make_server`` fixtures; a module's fixture
+    enters this itself."""
+    own = runtime_dir is None
+    if own:
+        runtime_dir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # AF_UNIX paths: short
+    try:
+        server = ServerProcess(runtime_dir, env, args, under=under, code=code, stop_signal=stop_signal)
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        if own:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+_STARTED = pytest.StashKey[list]()  # the servers a test started, for its report
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed test that ran a server reports the end of its log: on a lent GPU machine, or in
     CI, the log is gone with the runtime dir once the test is."""
     report = (yield).get_result()
-    server = getattr(item, "funcargs", {}).get("server")
-    if report.when == "call" and report.failed and isinstance(server, ServerProcess):
-        report.sections.append(("overmind-server log, last 6000 characters", server.log()[-6000:]))
+    if report.when == "call" and report.failed:
+        logs = {server.runtime_dir: server for server in item.stash.get(_STARTED, [])}  # one log per runtime dir
+        for runtime_dir, server in logs.items():
+            where = "" if len(logs) == 1 else f" ({runtime_dir})"
+            report.sections.append((f"overmind-server log{where}, last 6000 characters", server.log()[-6000:]))
 
 
 @pytest.fixture
@@ -140,10 +189,27 @@ def runtime_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def server(runtime_dir):
-    proc = ServerProcess(runtime_dir)
-    yield proc
-    proc.stop()
+def make_server(request, runtime_dir) -> Iterator[Callable[..., ServerProcess]]:
+    """``make_server(env=None, *, runtime_dir=None, **options)``: a real server started now, in
+    the test's ``runtime_dir`` unless given another, with ``running_server``'s options; every one
+    the test started is stopped at its teardown, the last first. For settings of its own, a
+    restart (stop the first, start again on the same directories), several servers, or a server
+    the test kills or stops itself."""
+    started = request.node.stash.setdefault(_STARTED, [])
+    tests_dir = runtime_dir
+    with contextlib.ExitStack() as finalizers:
+        def start(env: dict | None = None, *, runtime_dir: Path | None = None, **options) -> ServerProcess:
+            server = finalizers.enter_context(running_server(runtime_dir or tests_dir, env, **options))
+            started.append(server)
+            return server
+
+        yield start
+
+
+@pytest.fixture
+def server(make_server) -> ServerProcess:
+    """A real server with the default settings, in the test's ``runtime_dir``."""
+    return make_server()
 
 
 @pytest.fixture(scope="session")
@@ -211,13 +277,10 @@ def wait_warm(server: ServerProcess, timeout: float = 120) -> None:
 
 def started_warm_server(prefix: str):
     """A real server whose warm interpreter is ready, for a module's fixture to ``yield from``."""
-    runtime = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    server = ServerProcess(runtime)
-    overmind_run(server, "-c", "pass")  # refused: starts the warm interpreter
-    wait_warm(server)
-    yield server
-    server.stop()
-    subprocess.run(["rm", "-rf", str(runtime)])
+    with running_server(prefix=prefix) as server:
+        overmind_run(server, "-c", "pass")  # refused: starts the warm interpreter
+        wait_warm(server)
+        yield server
 
 
 def plain_python(*args, env, cwd, umask=None) -> subprocess.CompletedProcess:

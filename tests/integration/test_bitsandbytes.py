@@ -10,7 +10,6 @@ transformers with bitsandbytes is most of each), so each is a key of its own in 
 
 from __future__ import annotations
 
-import json
 
 import pytest
 

@@ -9,7 +9,6 @@ LoRA adapter made with peft for the session's small LM, real ``overmind run``.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..conftest import REPO, age_files, run_python
-from .conftest import ServerProcess, last_json
+from .conftest import last_json
 
 HOLDER = """
 import hashlib, sys
@@ -35,10 +35,8 @@ safetensors.torch.load_file({path!r})
 
 
 @pytest.fixture
-def budget_server(runtime_dir):
-    proc = ServerProcess(runtime_dir, args=("--max-memory", "1.5M"))
-    yield proc
-    proc.stop()
+def budget_server(make_server):
+    return make_server(args=("--max-memory", "1.5M"))
 
 
 def _model(path, seed: int) -> str:

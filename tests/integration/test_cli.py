@@ -14,7 +14,6 @@ from pathlib import Path
 from overmind.shared.segments import hugepages
 
 from ..conftest import REPO, age_files, build_shared_library, child_env
-from .conftest import ServerProcess
 
 LOAD_UNET = """
 import overmind.api
@@ -177,13 +176,14 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def test_shutdown_returns_only_once_the_server_process_is_gone(runtime_dir, tmp_path):
+def test_shutdown_returns_only_once_the_server_process_is_gone(make_server, runtime_dir, tmp_path):
     """The instance lock goes with the process, so a server started right after `overmind
     shutdown` (a restart) must not find it held. The server is stopped (SIGSTOP, from a
     preloaded shim: tests/shims/stop_after_unlink.c) the moment its socket file is gone, before
     it could exit, so the check does not depend on who is faster."""
     shim = build_shared_library(REPO / "tests" / "shims" / "stop_after_unlink.c", tmp_path / "libstop.so")
-    server = ServerProcess(runtime_dir, {"LD_PRELOAD": str(shim), "STOP_AFTER_UNLINK": str(runtime_dir / "server.sock")})
+    server = make_server({"LD_PRELOAD": str(shim), "STOP_AFTER_UNLINK": str(runtime_dir / "server.sock")},
+                         stop_signal=signal.SIGKILL)  # on SIGTERM it would stop again at the unlink
     cli_env = {k: v for k, v in server.env.items() if k not in ("LD_PRELOAD", "STOP_AFTER_UNLINK")}
     cli = subprocess.Popen([sys.executable, "-m", "overmind.frontend.cli", "shutdown"], env=cli_env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -198,13 +198,8 @@ def test_shutdown_returns_only_once_the_server_process_is_gone(runtime_dir, tmp_
         out, err = cli.communicate(timeout=30)
         assert cli.returncode == 0, err
         assert server.proc.poll() == 0  # exited when shutdown returned
-        restarted = ServerProcess(runtime_dir)  # the lock is free at once
-        restarted.stop()
+        make_server().stop()  # the lock is free at once
     finally:
-        if server.proc.poll() is None:
-            os.kill(server.pid, signal.SIGCONT)
-            server.proc.kill()
-            server.proc.wait(timeout=30)
         cli.kill()
         cli.wait(timeout=30)
 
@@ -334,21 +329,13 @@ sys.exit(main(["--foreground"]))
 """
 
 
-def test_shutdown_stops_a_server_of_an_older_protocol_as_after_an_upgrade(runtime_dir):
+def test_shutdown_stops_a_server_of_an_older_protocol_as_after_an_upgrade(make_server, runtime_dir):
     # After `pip install -U overmind` the running server speaks the old protocol: every command
     # says "restart overmind-server (overmind shutdown)", so shutdown must still stop it (by its pid).
-    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_NO_AUTOSTART="1")
-    old = subprocess.Popen([sys.executable, "-c", _OLD_SERVER], env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, cwd="/")
-    try:
-        assert "ready" in old.stdout.readline(), old.stderr.read() if old.poll() is not None else ""
-        status = _cli_without_server(runtime_dir, "status")
-        assert status.returncode != 0 and "protocol version mismatch" in status.stderr, status.stderr
-        proc = _cli_without_server(runtime_dir, "shutdown")
-        assert proc.returncode == 0, proc.stderr
-        assert f"overmind-server pid {old.pid} stopped (it speaks another protocol version" in proc.stdout
-        assert old.wait(timeout=15) is not None
-    finally:
-        if old.poll() is None:
-            old.kill()
-            old.wait()
+    old = make_server(code=_OLD_SERVER)  # ready: it printed its readiness line
+    status = _cli_without_server(runtime_dir, "status")
+    assert status.returncode != 0 and "protocol version mismatch" in status.stderr, status.stderr
+    proc = _cli_without_server(runtime_dir, "shutdown")
+    assert proc.returncode == 0, proc.stderr
+    assert f"overmind-server pid {old.pid} stopped (it speaks another protocol version" in proc.stdout
+    assert old.proc.wait(timeout=15) is not None

@@ -181,31 +181,25 @@ def test_a_waiting_load_lifts_the_fill_it_joins(server, slowlib):
     assert server.status()["misses"] == 1  # the waiter joined the fill; it started no load of its own
 
 
-def test_a_fill_competes_normally_after_fill_yield_seconds(runtime_dir, slowlib):
-    server = ServerProcess(runtime_dir, {"OVERMIND_FILL_YIELD": "2"})
-    try:
-        _call(server, slowlib)
-        pid = _loader_pid(server, slowlib)
-        assert _policies(pid) == {os.SCHED_IDLE}
-        assert _until_policies(pid, {os.SCHED_OTHER}) == {os.SCHED_OTHER}, server.log()[-2000:]
-        assert "OVERMIND_FILL_YIELD=2s" in server.log()
-        _go(server, slowlib)
-    finally:
-        server.stop()
+def test_a_fill_competes_normally_after_fill_yield_seconds(make_server, slowlib):
+    server = make_server({"OVERMIND_FILL_YIELD": "2"})
+    _call(server, slowlib)
+    pid = _loader_pid(server, slowlib)
+    assert _policies(pid) == {os.SCHED_IDLE}
+    assert _until_policies(pid, {os.SCHED_OTHER}) == {os.SCHED_OTHER}, server.log()[-2000:]
+    assert "OVERMIND_FILL_YIELD=2s" in server.log()
+    _go(server, slowlib)
 
 
-def test_a_loader_past_the_loader_timeout_is_killed_whatever_its_priority(runtime_dir, slowlib):
-    server = ServerProcess(runtime_dir, {"OVERMIND_FILL_YIELD": "1", "OVERMIND_LOADER_TIMEOUT": "3"})
-    try:
-        _call(server, slowlib)
-        pid = _loader_pid(server, slowlib)  # it waits for a go that never comes
-        status = server.wait_idle(timeout=WAIT)
-        assert status["loading"] == 0 and status["entries"] == 0, status
-        log = server.log()
-        assert "OVERMIND_FILL_YIELD=1s" in log and f"loader pid {pid} exceeded OVERMIND_LOADER_TIMEOUT=3s" in log, log
-        assert _gone(pid), f"loader {pid} still runs after it was killed"
-    finally:
-        server.stop()
+def test_a_loader_past_the_loader_timeout_is_killed_whatever_its_priority(make_server, slowlib):
+    server = make_server({"OVERMIND_FILL_YIELD": "1", "OVERMIND_LOADER_TIMEOUT": "3"})
+    _call(server, slowlib)
+    pid = _loader_pid(server, slowlib)  # it waits for a go that never comes
+    status = server.wait_idle(timeout=WAIT)
+    assert status["loading"] == 0 and status["entries"] == 0, status
+    log = server.log()
+    assert "OVERMIND_FILL_YIELD=1s" in log and f"loader pid {pid} exceeded OVERMIND_LOADER_TIMEOUT=3s" in log, log
+    assert _gone(pid), f"loader {pid} still runs after it was killed"
 
 
 def _gone(pid: int, within: float = 10.0) -> bool:
@@ -360,11 +354,11 @@ def test_a_joined_fill_that_runs_late_is_left_after_one_plain_load_time(server, 
     assert _go(server, slowlib)["entries"] == 1
 
 
-def test_on_a_machine_kept_busy_a_fill_still_ends_once_it_yielded_its_bound(runtime_dir, slowlib):
+def test_on_a_machine_kept_busy_a_fill_still_ends_once_it_yielded_its_bound(make_server, slowlib):
     """Every core spinning at normal priority: SCHED_IDLE alone would hold the fill (3 CPU-seconds
     of work) back for as long as they spin (Note [Idle only inside the interpreter's autogroup]). After OVERMIND_FILL_YIELD seconds it competes normally and is cached while they
     still spin (the decision is asserted, not a time: how soon it ends is the machine's)."""
-    server = ServerProcess(runtime_dir, {"OVERMIND_FILL_YIELD": "2"})
+    server = make_server({"OVERMIND_FILL_YIELD": "2"})
     # One spinner pinned to each CPU this test may use: none is left free for the balancer to find.
     spin = "import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\nend = time.monotonic() + 120\n" \
            "while time.monotonic() < end: pass"
@@ -381,4 +375,3 @@ def test_on_a_machine_kept_busy_a_fill_still_ends_once_it_yielded_its_bound(runt
     finally:
         for s in spinners:
             s.kill()
-        server.stop()

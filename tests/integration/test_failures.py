@@ -433,7 +433,7 @@ def test_loader_crash_is_reported_and_the_server_survives(server, tmp_path):
     assert len(out["warnings"]) == 1 and "LOADER_CRASHED" in out["warnings"][0], out["warnings"]
     assert out["strict"]["type"] == "OvermindError" and "LOADER_CRASHED" in out["strict"]["message"]
     status = server.status()
-    # A death is tried again (Note [Only deterministic failures are remembered] in overmind.server.fills),
+    # A death is tried again (Note [Only deterministic failures are remembered] in overmind.server.failures),
     # up to MAX_DEATHS in a row: the three calls start at most three loads.
     assert server.proc.poll() is None and status["entries"] == 0 and 1 <= status["misses"] <= 3, status
     assert all(z["alive"] for z in status["interpreters"]), status["interpreters"]  # only the forked child died

@@ -62,15 +62,16 @@ print(json.dumps([os.getpid(), sums]))
 """
 
 
-def test_a_client_in_another_pid_namespace_gets_segments_over_the_socket(runtime_dir, tmp_path):
+def test_a_client_in_another_pid_namespace_gets_segments_over_the_socket(make_server, tmp_path):
     """Note [Segments across PID namespaces]: server and client are each pid 1 of their own
     namespace (a DaemonSet and a pod); /proc/1/fd/<n> in the client is the client itself."""
+    import signal
     import subprocess
     import sys
 
     import pytest
 
-    from ..conftest import REPO, child_env
+    from ..conftest import REPO
 
     if not _can_unshare():
         pytest.skip("unshare --pid needs root or user namespaces")
@@ -78,25 +79,18 @@ def test_a_client_in_another_pid_namespace_gets_segments_over_the_socket(runtime
     w = torch.arange(1 << 16, dtype=torch.float32)
     save_file({"w": w}, path)
     age_files(path)
-    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir), OVERMIND_NO_AUTOSTART="1")
-    server = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-m", "overmind.server",
-                               "--foreground"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=REPO)
-    try:
-        assert "ready" in server.stdout.readline()
-        client_env = {**env, "OVERMIND_STRICT": "1"}
-        outs = []
-        for _ in range(2):  # a miss that fills the cache, then a hit
-            proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                                   NAMESPACED_CLIENT, str(path)], env=client_env, capture_output=True, text=True,
-                                  timeout=180, cwd=REPO)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            assert "overmind:" not in proc.stderr, proc.stderr[-3000:]
-            outs.append(last_json(proc))
-        assert [pid for pid, _ in outs] == [1, 1]
-        assert outs[1][1] == [float(w.sum())] * 2
-    finally:
-        server.kill()  # unshare's child (the server, pid 1 of its namespace) gets SIGKILL: --kill-child
-        server.wait(timeout=20)
-        server.stdout.close()
-        server.stderr.close()
+    # Stopped by SIGKILL to unshare: its child (the server, pid 1 of its namespace) gets SIGKILL
+    # too (--kill-child).
+    server = make_server(under=("unshare", "--pid", "--fork", "--mount-proc", "--kill-child"),
+                         stop_signal=signal.SIGKILL)
+    client_env = server.client_env(OVERMIND_STRICT="1")
+    outs = []
+    for _ in range(2):  # a miss that fills the cache, then a hit
+        proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                               NAMESPACED_CLIENT, str(path)], env=client_env, capture_output=True, text=True,
+                              timeout=180, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "overmind:" not in proc.stderr, proc.stderr[-3000:]
+        outs.append(last_json(proc))
+    assert [pid for pid, _ in outs] == [1, 1]
+    assert outs[1][1] == [float(w.sum())] * 2

@@ -53,9 +53,9 @@ def _until(server: ServerProcess, done, timeout: float, what: str) -> dict:
         time.sleep(0.2)
 
 
-def test_a_job_that_needs_the_memory_gets_it_and_the_cache_comes_back_after(runtime_dir, models):
+def test_a_job_that_needs_the_memory_gets_it_and_the_cache_comes_back_after(make_server, models):
     headroom = mem_available() - HEADROOM_BELOW
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "0", "OVERMIND_HEADROOM": str(headroom)})
+    server = make_server({"OVERMIND_SETTLE_AFTER": "0", "OVERMIND_HEADROOM": str(headroom)})
     job = None
     try:
         code = LOAD_AND_LOOK.format(path=str(models["lm"]))
@@ -97,34 +97,29 @@ def test_a_job_that_needs_the_memory_gets_it_and_the_cache_comes_back_after(runt
         if job is not None:
             job.kill()
             job.wait()
-        server.stop()
 
 
 OOM_OF = "print(open('/proc/self/oom_score_adj').read().strip())"
 
 
-def test_warm_interpreters_are_the_oom_killers_first_pick_and_a_run_gets_its_callers_score(runtime_dir):
-    server = ServerProcess(runtime_dir)
-    try:
-        # The caller's score as a user's shell may have it: not ours, and lower than the cache's.
-        front = ["sh", "-c", 'echo 300 > /proc/self/oom_score_adj && exec "$@"', "sh",
-                 str(Path(sys.executable).parent / "overmind"), "run", "-c", OOM_OF]
-        scores = []
-        for _ in range(60):  # the first run is plain while the context's interpreter starts
-            runs = server.status()["runs"]
-            proc = subprocess.run(front, env=server.client_env(), capture_output=True, text=True, timeout=120)
-            assert proc.returncode == 0, proc.stderr
-            scores.append(proc.stdout.strip())
-            if server.status()["runs"] > runs:
-                break
-            time.sleep(0.5)
-        else:
-            raise AssertionError(f"no run was forked: {server.log()[-3000:]}")
-        assert scores[-1] == "300", scores  # the forked child has its caller's score, not the cache's
-        interpreters = [i for i in server.status()["interpreters"] if i["alive"]]
-        assert interpreters
-        for interpreter in interpreters:
-            with open(f"/proc/{interpreter['pid']}/oom_score_adj") as f:
-                assert f.read().strip() == "1000"
-    finally:
-        server.stop()
+def test_warm_interpreters_are_the_oom_killers_first_pick_and_a_run_gets_its_callers_score(server):
+    # The caller's score as a user's shell may have it: not ours, and lower than the cache's.
+    front = ["sh", "-c", 'echo 300 > /proc/self/oom_score_adj && exec "$@"', "sh",
+             str(Path(sys.executable).parent / "overmind"), "run", "-c", OOM_OF]
+    scores = []
+    for _ in range(60):  # the first run is plain while the context's interpreter starts
+        runs = server.status()["runs"]
+        proc = subprocess.run(front, env=server.client_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        scores.append(proc.stdout.strip())
+        if server.status()["runs"] > runs:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"no run was forked: {server.log()[-3000:]}")
+    assert scores[-1] == "300", scores  # the forked child has its caller's score, not the cache's
+    interpreters = [i for i in server.status()["interpreters"] if i["alive"]]
+    assert interpreters
+    for interpreter in interpreters:
+        with open(f"/proc/{interpreter['pid']}/oom_score_adj") as f:
+            assert f.read().strip() == "1000"

@@ -58,13 +58,6 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.fixture
-def fresh_server(runtime_dir):
-    server = ServerProcess(runtime_dir)
-    yield server
-    server.stop()
-
-
 def _launch(argv: list, env: dict, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT)
 
@@ -85,29 +78,29 @@ def _curve(server: ServerProcess, argv: list, cwd: Path, runs: int = 2, **env) -
 
 
 @pytest.mark.skipif(not (BIN / "torchrun").exists(), reason="torchrun is not installed")
-def test_torchrun_ranks_are_each_forked_warm_from_run_2_with_plains_output_and_status(fresh_server, tmp_path):
+def test_torchrun_ranks_are_each_forked_warm_from_run_2_with_plains_output_and_status(server, tmp_path):
     (tmp_path / "ranks.py").write_text(RANKS)
     argv = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(29500 + os.getpid() % 1000),
             "ranks.py"]
-    plain, first, second = _curve(fresh_server, argv, tmp_path)
-    before = runs_forked(fresh_server)
-    third = _launch(argv, fresh_server.client_env(), tmp_path)
+    plain, first, second = _curve(server, argv, tmp_path)
+    before = runs_forked(server)
+    third = _launch(argv, server.client_env(), tmp_path)
     for proc in (plain, first, second, third):
         assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-3000:]  # rank 0's status
         assert sorted(proc.stdout.splitlines()) == ["rank 0/2 local 0 sum 3.0", "rank 1/2 local 1 sum 3.0"]
     assert _warm_lines(plain.stderr) == ["warm 0 False", "warm 1 False"]
-    assert _warm_lines(second.stderr) == ["warm 0 True", "warm 1 True"], fresh_server.log()[-4000:]
-    assert runs_forked(fresh_server) == before + 2
+    assert _warm_lines(second.stderr) == ["warm 0 True", "warm 1 True"], server.log()[-4000:]
+    assert runs_forked(server) == before + 2
 
 
 @pytest.mark.skipif(not (BIN / "accelerate").exists(), reason="accelerate is not installed")
-def test_accelerate_launch_is_warm_from_run_2_with_plains_output_and_status(fresh_server, tmp_path):
+def test_accelerate_launch_is_warm_from_run_2_with_plains_output_and_status(server, tmp_path):
     (tmp_path / "train.py").write_text(ONE_LINE + "import sys\nfrom overmind.shared.protocol.contexts import in_warm_run\n"
                                        "import torch\nprint('sum', torch.arange(4).sum().item())\n"
                                        "print('warm', in_warm_run(), file=sys.stderr)\nsys.exit(4)\n")
     argv = [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
             "--mixed_precision", "no", "--dynamo_backend", "no", "train.py"]
-    plain, first, second = _curve(fresh_server, argv, tmp_path, HOME=str(tmp_path))
+    plain, first, second = _curve(server, argv, tmp_path, HOME=str(tmp_path))
     assert plain.returncode == 1 and "returned non-zero exit status 4" in plain.stderr  # accelerate's own report
     for proc in (plain, first, second):
         assert proc.returncode == plain.returncode and proc.stdout == "sum 6\n", proc.stderr[-3000:]
@@ -115,10 +108,10 @@ def test_accelerate_launch_is_warm_from_run_2_with_plains_output_and_status(fres
     assert _warm_lines(plain.stderr) == ["warm False"] and _warm_lines(second.stderr) == ["warm True"]
 
 
-def test_multiprocessing_workers_by_spawn_and_fork_work_in_a_warm_run(fresh_server, tmp_path):
+def test_multiprocessing_workers_by_spawn_and_fork_work_in_a_warm_run(server, tmp_path):
     (tmp_path / "workers.py").write_text(WORKERS)
     argv = [sys.executable, "workers.py"]
-    plain, first, second = _curve(fresh_server, argv, tmp_path)
+    plain, first, second = _curve(server, argv, tmp_path)
     for proc in (plain, first, second):
         assert proc.returncode == 5, proc.stderr[-3000:]
         assert proc.stdout == "spawn [0, 1, 4, 9, 16]\nfork [0, 1, 4, 9, 16]\n"
@@ -145,42 +138,42 @@ def _pytest_output(text: str) -> str:
     return re.sub(r"rootdir: \S+", "rootdir: R", text)
 
 
-def test_pytest_prints_what_plain_pytest_prints_run_plainly_and_through_overmind_run(fresh_server, tmp_path):
+def test_pytest_prints_what_plain_pytest_prints_run_plainly_and_through_overmind_run(server, tmp_path):
     (tmp_path / "test_one_line.py").write_text(TEST_MODULE)
     args = ["-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "test_one_line.py"]
-    env = fresh_server.client_env()
+    env = server.client_env()
     env.pop("PYTEST_ADDOPTS", None)
     plain = _launch([sys.executable, *args], {**env, "OVERMIND_DISABLE": "1"}, tmp_path)
     assert plain.returncode == 1 and "1 failed, 1 passed" in plain.stdout, plain.stdout[-3000:]
     for _ in range(2):
         proc = _launch([sys.executable, *args], env, tmp_path)
         assert (proc.returncode, _pytest_output(proc.stdout)) == (1, _pytest_output(plain.stdout))
-        fresh_server.wait_idle()
+        server.wait_idle()
     for run in range(3):
-        before = runs_forked(fresh_server)
-        proc = overmind_run(fresh_server, *args, env=env, cwd=tmp_path, timeout=TIMEOUT)
+        before = runs_forked(server)
+        proc = overmind_run(server, *args, env=env, cwd=tmp_path, timeout=TIMEOUT)
         assert "RewriteWarning" not in proc.stdout + proc.stderr, proc.stdout[-3000:]
         assert (proc.returncode, _pytest_output(proc.stdout)) == (1, _pytest_output(plain.stdout))
-        forked = runs_forked(fresh_server) > before
-        fresh_server.wait_idle()
-        wait_warm(fresh_server)
-    assert forked, fresh_server.log()[-4000:]  # the last was warm
+        forked = runs_forked(server) > before
+        server.wait_idle()
+        wait_warm(server)
+    assert forked, server.log()[-4000:]  # the last was warm
 
 
-def test_a_pytest_run_goes_plain_from_an_interpreter_that_imported_a_package_pytest_rewrites(fresh_server, tmp_path):
+def test_a_pytest_run_goes_plain_from_an_interpreter_that_imported_a_package_pytest_rewrites(server, tmp_path):
     """anyio is a pytest plugin's package that transformers imports: Note [pytest rewrites what it imports]."""
     pytest.importorskip("anyio")
     (tmp_path / "uses_anyio.py").write_text("import sys, transformers\nassert 'anyio' in sys.modules\n")
     (tmp_path / "test_plain.py").write_text("def test_one():\n    assert 1 + 1 == 3\n")
-    env = fresh_server.client_env()
+    env = server.client_env()
     for _ in range(3):  # the interpreter learns anyio
-        assert overmind_run(fresh_server, "uses_anyio.py", env=env, cwd=tmp_path).returncode == 0
-        fresh_server.wait_idle()
-        wait_warm(fresh_server)
+        assert overmind_run(server, "uses_anyio.py", env=env, cwd=tmp_path).returncode == 0
+        server.wait_idle()
+        wait_warm(server)
     args = ["-m", "pytest", "-p", "no:cacheprovider", "test_plain.py"]
     plain = _launch([sys.executable, *args], env, tmp_path)
-    before = runs_forked(fresh_server)
-    proc = overmind_run(fresh_server, *args, env=env, cwd=tmp_path, timeout=TIMEOUT)
+    before = runs_forked(server)
+    proc = overmind_run(server, *args, env=env, cwd=tmp_path, timeout=TIMEOUT)
     assert (proc.returncode, _pytest_output(proc.stdout)) == (1, _pytest_output(plain.stdout))
-    assert "RewriteWarning" not in proc.stdout + proc.stderr and runs_forked(fresh_server) == before
-    assert "pytest would rewrite anyio" in fresh_server.log()
+    assert "RewriteWarning" not in proc.stdout + proc.stderr and runs_forked(server) == before
+    assert "pytest would rewrite anyio" in server.log()

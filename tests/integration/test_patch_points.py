@@ -115,8 +115,6 @@ def paths(tmp_path_factory, models):
 
 
 def run_client(server, paths, **env):
-    import sys
-
     from ..conftest import run_python
 
     code = CLIENT.replace("sys.argv[1]", repr(json.dumps(paths)))
@@ -150,5 +148,5 @@ def test_every_patch_point_round_trips_and_warm_loads_hit(server, paths):
     assert len(passed) == 3 and passed <= set(pipeline["meta"]["references"])
     assert not passed & set(pipeline["refs"])
     # their loaders were handed those entries: none connected back (Note [The loader is handed its
-    # references] in overmind.server.loads); "run": each script's one line asked for a hand-over
+    # references] in overmind.server.loaders); "run": each script's one line asked for a hand-over
     assert set(server.status()["peers"]) <= {"client", "cli", "run"}, server.status()["peers"]

@@ -173,13 +173,11 @@ def runs(tmp_path_factory, models):
     reach: Note [Loads that draw random numbers]), then patched to hit, against one server."""
     import subprocess
     import sys
-    import tempfile
-    from pathlib import Path
 
     import torch
 
     from ..conftest import REPO
-    from .conftest import ServerProcess
+    from .conftest import running_server
 
     root = tmp_path_factory.mktemp("plain_semantics")
     (root / "mylib.py").write_text(MYLIB)
@@ -187,11 +185,9 @@ def runs(tmp_path_factory, models):
     (root / "quiet.py").write_text(QUIET)
     torch.save({"w": torch.arange(6.0)}, root / "w.pt")
     age_files(root)
-    runtime = tempfile.mkdtemp(prefix="om-", dir="/tmp")  # short: AF_UNIX paths are limited to 108 bytes
     pythonpath = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-    server = ServerProcess(Path(runtime), {"PYTHONPATH": pythonpath, "OVERMIND_PATCH": "mylib::load,mylib::load_noisy",
-                                           "OVERMIND_SETTLE_AFTER": "0"})
-    try:
+    with running_server(env={"PYTHONPATH": pythonpath, "OVERMIND_PATCH": "mylib::load,mylib::load_noisy",
+                             "OVERMIND_SETTLE_AFTER": "0"}) as server:
         outs = {}
         for run in ("plain", "fill", "fill again", "hit"):
             env = server.client_env(**({"OVERMIND_DISABLE": "1"} if run == "plain" else {}))
@@ -202,9 +198,6 @@ def runs(tmp_path_factory, models):
             server.wait_settled()
         outs["entries"] = json.loads(server.cli("list", "--json").stdout)
         yield outs
-    finally:
-        server.stop()
-        subprocess.run(["rm", "-rf", runtime])
 
 
 def same_as_plain(runs, case: str):
@@ -294,13 +287,9 @@ print(json.dumps(out))
 
 
 @pytest.fixture
-def settling_server(runtime_dir):
+def settling_server(make_server):
     """A server that settles file segments at once, so hits map memfds (served_from_cache)."""
-    from .conftest import ServerProcess
-
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "0"})
-    yield server
-    server.stop()
+    return make_server({"OVERMIND_SETTLE_AFTER": "0"})
 
 
 def test_numpys_generator_after_a_hit_starts_from_fresh_entropy_and_the_key_ignores_its_import(settling_server, models):

@@ -8,7 +8,6 @@ uid 0, so the server's SO_PEERCRED check still lets it in.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap

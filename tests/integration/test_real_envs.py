@@ -11,13 +11,12 @@ import os
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
 
 from ..conftest import REPO, age_files, build_shared_library, child_env, run_python
-from .conftest import ServerProcess, curve, last_json
+from .conftest import curve, last_json
 
 pytest.importorskip("scipy")
 pytest.importorskip("pandas")
@@ -105,17 +104,14 @@ def vae_script(models, tmp_path, nvml_reader) -> Path:
 
 @pytest.mark.parametrize("cpus", ["this machine's", "16"])
 def test_a_script_importing_scipy_pandas_and_sklearn_runs_warm_from_run_2_with_plains_pools(
-        runtime_dir, vae_script, many_cpus, cpus):
+        make_server, vae_script, many_cpus, cpus):
     env = child_env(**(many_cpus if cpus == "16" else {}))
     plain = last_json(subprocess.run([sys.executable, str(vae_script)], env={**env, "OVERMIND_DISABLE": "1"},
                                      capture_output=True, text=True, timeout=120, check=True))
-    server = ServerProcess(runtime_dir)
-    try:
-        outputs = curve(server, vae_script, {**server.client_env(), **env})
-        log = server.log()
-        status = server.status()
-    finally:
-        server.stop()
+    server = make_server()
+    outputs = curve(server, vae_script, {**server.client_env(), **env})
+    log = server.log()
+    status = server.status()
     assert [forked for forked, _ in outputs] == [False, True, True], log[-12000:]
     assert [out["hit"] for _, out in outputs][1:] == [True, True] and status["hits"] == 2, log[-4000:]
     for _, out in outputs:
@@ -129,7 +125,7 @@ def test_a_script_importing_scipy_pandas_and_sklearn_runs_warm_from_run_2_with_p
 
 
 def test_a_module_that_starts_an_unknown_native_thread_is_kept_out_and_its_loads_still_fill(
-        runtime_dir, tmp_path, vae_script):
+        make_server, tmp_path, vae_script):
     """Note [Threads libraries start]: the module is blamed and kept out (the run imports it itself),
     one interpreter is replaced, never a loop, and the script's load is cached all the same. Note
     [A tainted interpreter says so at once]: the successor starts while run 1 runs, so run 2 forks."""
@@ -143,14 +139,14 @@ def test_a_module_that_starts_an_unknown_native_thread_is_kept_out_and_its_loads
     script.write_text(f"import sys\nheld = {name!r} in sys.modules\nimport {name}\n" + vae_script.read_text()
                       .replace('"nvml":', '"held": held, "nvml":'))
     age_files(script)
-    server = ServerProcess(runtime_dir)
+    server = make_server()
     try:
         env = server.client_env()
         outputs = curve(server, script, env, runs=4)
         log = server.log()
         status = server.status()
     finally:
-        server.stop()
+        server.stop()  # before the module it imported goes
         module.unlink()
         library.unlink()
     assert not any(out["held"] for _, out in outputs)  # never forked with it imported

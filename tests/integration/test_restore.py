@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import REPO, age_files
-from .conftest import ServerProcess, last_json
+from .conftest import ServerProcess, last_json, running_server
 
 LOAD_LM = """
 import json
@@ -56,8 +56,9 @@ def state_dir(tmp_path) -> Path:
     return tmp_path / "state"
 
 
-def _start(runtime_dir: Path, state_dir: Path, **env: str) -> ServerProcess:
-    return ServerProcess(runtime_dir, extra_env={"OVERMIND_STATE_DIR": str(state_dir), **env})
+def _keeping(state_dir: Path, **env: str) -> dict:
+    """The settings of a server that keeps its state in ``state_dir``."""
+    return {"OVERMIND_STATE_DIR": str(state_dir), **env}
 
 
 def _state_file(state_dir: Path) -> Path:
@@ -108,65 +109,57 @@ def _hit(server: ServerProcess, lm: Path) -> float:
 
 def _fill_and_shut_down(runtime_dir: Path, state_dir: Path, lm: Path) -> float:
     """A server fills the LM, saves its state and is shut down: the state a restart finds."""
-    first = _start(runtime_dir, state_dir)
-    try:
+    with running_server(runtime_dir, _keeping(state_dir)) as first:
         weights = _fill(first, lm)
         _wait_saved(state_dir, 1)
         first.cli("shutdown")
-    finally:
-        first.stop()
     return weights
 
 
 @pytest.mark.parametrize("stop", ["shutdown", "sigkill"])
-def test_a_fresh_server_refills_what_the_last_one_served_and_the_next_load_hits(runtime_dir, state_dir, lm, stop):
-    first = _start(runtime_dir, state_dir)
-    try:
-        weights = _fill(first, lm)
-        _wait_saved(state_dir, 1)
-        if stop == "shutdown":
-            first.cli("shutdown")
-        else:
-            os.kill(first.pid, signal.SIGKILL)
-        first.proc.wait(timeout=30)
-    finally:
-        first.stop()
+def test_a_fresh_server_refills_what_the_last_one_served_and_the_next_load_hits(make_server, runtime_dir, state_dir,
+                                                                               lm, stop):
+    first = make_server(_keeping(state_dir))
+    weights = _fill(first, lm)
+    _wait_saved(state_dir, 1)
+    if stop == "shutdown":
+        first.cli("shutdown")
+    else:
+        os.kill(first.pid, signal.SIGKILL)
+    first.proc.wait(timeout=30)
+    first.stop()
     if stop == "sigkill":  # its warm interpreter outlives it a moment (it exits on the socket's EOF)
         (runtime_dir / "server.sock").unlink(missing_ok=True)
-    second = _start(runtime_dir, state_dir)
-    try:
-        ready = _wait_ready(second)
-        assert "1 entries" in ready.stdout, ready.stdout
-        status = second.status()
-        restore = status["restore"]
-        assert restore["state"] == "done" and restore["entries_done"] == 1 and restore["entries_pending"] == 0
-        assert restore["bytes_done"] > 0 and restore["interpreters_ready"] >= 1
-        assert status["entries"] == 1 and status["misses"] == 0  # a refill is no client's miss
-        assert any(z["ready"] for z in status["interpreters"])  # the context's interpreter is warm again
-        assert _hit(second, lm) == weights  # the first run's miss: a plain load (Note [Cold fills yield to their caller])
-    finally:
-        second.stop()
+    second = make_server(_keeping(state_dir))
+    ready = _wait_ready(second)
+    assert "1 entries" in ready.stdout, ready.stdout
+    status = second.status()
+    restore = status["restore"]
+    assert restore["state"] == "done" and restore["entries_done"] == 1 and restore["entries_pending"] == 0
+    assert restore["bytes_done"] > 0 and restore["interpreters_ready"] >= 1
+    assert status["entries"] == 1 and status["misses"] == 0  # a refill is no client's miss
+    assert any(z["ready"] for z in status["interpreters"])  # the context's interpreter is warm again
+    assert _hit(second, lm) == weights  # the first run's miss: a plain load (Note [Cold fills yield to their caller])
 
 
-def test_a_model_changed_while_the_server_was_down_is_not_restored_and_loads_new_weights(runtime_dir, state_dir, lm):
+def test_a_model_changed_while_the_server_was_down_is_not_restored_and_loads_new_weights(make_server, runtime_dir,
+                                                                                        state_dir, lm):
     from overmind import modelgen
 
     old = _fill_and_shut_down(runtime_dir, state_dir, lm)
     modelgen.save_lm(lm, seed=6)  # the same files, rewritten with other weights
     age_files(lm, seconds=10)
-    second = _start(runtime_dir, state_dir)
-    try:
-        _wait_ready(second)
-        restore = second.status()["restore"]
-        assert restore["entries_skipped"] == 1 and restore["entries_done"] == 0, restore
-        assert second.status()["entries"] == 0
-        assert "a file it read changed" in second.log()
-        new = last_json(second.run(LOAD_LM.format(path=str(lm))))
-        assert new != old and new == _plain_weights(lm)
-        second.wait_idle()
-        assert _hit(second, lm) == new
-    finally:
-        second.stop()
+    second = make_server(_keeping(state_dir))
+    _wait_ready(second)
+    restore = second.status()["restore"]
+    assert restore["entries_skipped"] == 1 and restore["entries_done"] == 0, restore
+    assert second.status()["entries"] == 0
+    assert "a file it read changed" in second.log()
+    new = last_json(second.run(LOAD_LM.format(path=str(lm))))
+    assert new != old and new == _plain_weights(lm)
+    second.wait_idle()
+    assert _hit(second, lm) == new
+    second.stop()
     assert _saved_keys(state_dir) and len(_saved_keys(state_dir)) == 1  # the old call is forgotten
 
 
@@ -222,50 +215,42 @@ def _kept_copy(kept_state, state_dir: Path) -> Path:
 
 
 @pytest.mark.parametrize("how", ["truncated", "garbage", "foreign version", "other uid", "group-writable dir"])
-def test_a_spoiled_state_is_refused_with_one_line_and_the_server_serves(state_dir, kept_state, how):
+def test_a_spoiled_state_is_refused_with_one_line_and_the_server_serves(make_server, state_dir, kept_state, how):
     if how == "other uid" and os.getuid() != 0:
         pytest.skip("chown to another uid needs root")
     runtime_dir, lm = _kept_copy(kept_state, state_dir), kept_state[2]
     said = _spoil(state_dir, how)
-    second = _start(runtime_dir, state_dir)
-    try:
-        ready = _wait_ready(second, timeout=30)
-        assert "nothing to restore" in ready.stdout
-        warnings = [line for line in second.log().splitlines() if "WARNING" in line and "state" in line]
-        assert len(warnings) == 1 and said in warnings[0], warnings
-        status = second.status()
-        assert status["entries"] == 0 and status["restore"]["state"] == "none"
-        _fill(second, lm)  # serves normally: a miss, filled
-        _hit(second, lm)
-        if how == "group-writable dir":  # refused, never written to
-            assert not status["state"]["kept"] and "open to other users" in status["state"]["problem"]
-        else:  # replaced by a good one
-            assert _wait_saved(state_dir, 1)
-            assert os.stat(_state_file(state_dir)).st_uid == os.getuid()
-    finally:
-        second.stop()
+    second = make_server(_keeping(state_dir), runtime_dir=runtime_dir)
+    ready = _wait_ready(second, timeout=30)
+    assert "nothing to restore" in ready.stdout
+    warnings = [line for line in second.log().splitlines() if "WARNING" in line and "state" in line]
+    assert len(warnings) == 1 and said in warnings[0], warnings
+    status = second.status()
+    assert status["entries"] == 0 and status["restore"]["state"] == "none"
+    _fill(second, lm)  # serves normally: a miss, filled
+    _hit(second, lm)
+    if how == "group-writable dir":  # refused, never written to
+        assert not status["state"]["kept"] and "open to other users" in status["state"]["problem"]
+    else:  # replaced by a good one
+        assert _wait_saved(state_dir, 1)
+        assert os.stat(_state_file(state_dir)).st_uid == os.getuid()
 
 
-def test_restore_zero_restores_nothing_but_keeps_the_state(state_dir, kept_state):
-    second = _start(_kept_copy(kept_state, state_dir), state_dir, OVERMIND_RESTORE="0")
-    try:
-        ready = _wait_ready(second, timeout=30)
-        assert "OVERMIND_RESTORE=0" in ready.stdout
-        assert second.status()["entries"] == 0
-    finally:
-        second.stop()
+def test_restore_zero_restores_nothing_but_keeps_the_state(make_server, state_dir, kept_state):
+    second = make_server(_keeping(state_dir, OVERMIND_RESTORE="0"), runtime_dir=_kept_copy(kept_state, state_dir))
+    ready = _wait_ready(second, timeout=30)
+    assert "OVERMIND_RESTORE=0" in ready.stdout
+    assert second.status()["entries"] == 0
+    second.stop()
     assert len(_saved_keys(state_dir)) == 1
 
 
-def test_wait_ready_times_out_with_a_clear_line_while_the_restore_runs(state_dir, kept_state):
-    second = _start(_kept_copy(kept_state, state_dir), state_dir)
-    try:
-        proc = second.cli("status", "--wait-ready", "--timeout", "0.01", check=False)
-        assert proc.returncode == 4, (proc.returncode, proc.stdout, proc.stderr)
-        assert "not ready after 0.01s: restoring" in proc.stderr
-        assert _wait_ready(second).returncode == 0
-    finally:
-        second.stop()
+def test_wait_ready_times_out_with_a_clear_line_while_the_restore_runs(make_server, state_dir, kept_state):
+    second = make_server(_keeping(state_dir), runtime_dir=_kept_copy(kept_state, state_dir))
+    proc = second.cli("status", "--wait-ready", "--timeout", "0.01", check=False)
+    assert proc.returncode == 4, (proc.returncode, proc.stdout, proc.stderr)
+    assert "not ready after 0.01s: restoring" in proc.stderr
+    assert _wait_ready(second).returncode == 0
 
 
 def test_wait_ready_without_a_server_says_so(runtime_dir):
@@ -276,27 +261,24 @@ def test_wait_ready_without_a_server_says_so(runtime_dir):
     assert proc.returncode == 3 and "not ready after 0.5s: no server answers" in proc.stderr
 
 
-def test_preload_fills_the_listed_calls_and_names_a_bad_line(runtime_dir, state_dir, lm, tmp_path):
-    server = _start(runtime_dir, state_dir)
-    try:
-        calls = tmp_path / "calls.jsonl"
-        calls.write_text("# the LM\n" + json.dumps({"fn": "transformers.AutoModelForCausalLM.from_pretrained",
-                                                    "args": [str(lm)],
-                                                    "kwargs": {"torch_dtype": {"$py": "torch.float32"}}}) + "\n")
-        proc = server.cli("preload", str(calls), check=False)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "1 of 1 calls cached" in proc.stdout
-        assert server.status()["entries"] == 1
-        bad = tmp_path / "bad.jsonl"
-        bad.write_text('{"fn": "transformers.AutoModel.from_pretrained", "args": "x"}\n')
-        proc = server.cli("preload", str(bad), check=False)
-        assert proc.returncode == 2 and "bad.jsonl:1" in proc.stderr and '"args" must be a list' in proc.stderr
-        missing = server.cli("preload", str(tmp_path / "none.jsonl"), check=False)
-        assert missing.returncode == 2 and "is not a file" in missing.stderr
-        failing = tmp_path / "failing.jsonl"
-        failing.write_text(json.dumps({"fn": "transformers.AutoModelForCausalLM.from_pretrained",
-                                       "args": [str(tmp_path / "no-such-model")]}) + "\n")
-        proc = server.cli("preload", str(failing), check=False)
-        assert proc.returncode == 1 and "failed  " in proc.stdout and "0 of 1 calls cached" in proc.stdout
-    finally:
-        server.stop()
+def test_preload_fills_the_listed_calls_and_names_a_bad_line(make_server, state_dir, lm, tmp_path):
+    server = make_server(_keeping(state_dir))
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text("# the LM\n" + json.dumps({"fn": "transformers.AutoModelForCausalLM.from_pretrained",
+                                                "args": [str(lm)],
+                                                "kwargs": {"torch_dtype": {"$py": "torch.float32"}}}) + "\n")
+    proc = server.cli("preload", str(calls), check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 of 1 calls cached" in proc.stdout
+    assert server.status()["entries"] == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"fn": "transformers.AutoModel.from_pretrained", "args": "x"}\n')
+    proc = server.cli("preload", str(bad), check=False)
+    assert proc.returncode == 2 and "bad.jsonl:1" in proc.stderr and '"args" must be a list' in proc.stderr
+    missing = server.cli("preload", str(tmp_path / "none.jsonl"), check=False)
+    assert missing.returncode == 2 and "is not a file" in missing.stderr
+    failing = tmp_path / "failing.jsonl"
+    failing.write_text(json.dumps({"fn": "transformers.AutoModelForCausalLM.from_pretrained",
+                                   "args": [str(tmp_path / "no-such-model")]}) + "\n")
+    proc = server.cli("preload", str(failing), check=False)
+    assert proc.returncode == 1 and "failed  " in proc.stdout and "0 of 1 calls cached" in proc.stdout

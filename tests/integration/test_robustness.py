@@ -19,7 +19,6 @@ from overmind.shared import protocol as P
 
 from ..conftest import REPO, child_env
 from ..helpers.clients import PRELUDE, backdate, kill_all, run_client, servers_of, wait_for
-from .conftest import ServerProcess
 
 LM = PRELUDE + '''
 from transformers import LlamaForCausalLM
@@ -104,13 +103,10 @@ def test_a_bad_server_setting_refuses_to_start_saying_why_on_stderr_and_in_the_l
     assert not (runtime_dir / "server.sock").exists()
 
 
-def test_a_server_logs_a_bad_yes_no_value_and_starts(runtime_dir):
-    server = ServerProcess(runtime_dir, {"OVERMIND_STRICT": "banana"})
-    try:
-        assert server.status()["pid"] == server.pid
-        assert "WARNING overmind.server.daemon" in server.log() and "OVERMIND_STRICT='banana'" in server.log()
-    finally:
-        server.stop()
+def test_a_server_logs_a_bad_yes_no_value_and_starts(make_server):
+    server = make_server({"OVERMIND_STRICT": "banana"})
+    assert server.status()["pid"] == server.pid
+    assert "WARNING overmind.server.daemon" in server.log() and "OVERMIND_STRICT='banana'" in server.log()
 
 
 def test_the_overmind_command_names_a_bad_setting_on_stderr(server, tmp_path):
@@ -196,8 +192,7 @@ report(first=weights(first), second=weights(second), err=repr(err), seconds=seco
     assert server.status()["pid"] == server.pid
 
 
-def test_a_deleted_socket_is_replaced_and_no_second_server_is_started(runtime_dir, models):
-    server = ServerProcess(runtime_dir)
+def test_a_deleted_socket_is_replaced_and_no_second_server_is_started(server, runtime_dir, models):
     try:
         env = server.client_env(OVERMIND_COLD="wait")
         env.pop("OVERMIND_NO_AUTOSTART")  # clients may start a server: they must not start a second one
@@ -211,23 +206,19 @@ def test_a_deleted_socket_is_replaced_and_no_second_server_is_started(runtime_di
         assert status["socket_rebinds"] == 1 and status["hits"] >= 1, status
         assert "was removed or replaced" in server.log()
     finally:
-        server.stop()
+        server.stop()  # then whatever a client may have started there
         kill_all(runtime_dir)
 
 
-def test_the_cli_finds_and_stops_a_server_it_cannot_reach(runtime_dir):
-    server = ServerProcess(runtime_dir)
-    try:
-        server.proc.send_signal(signal.SIGSTOP)  # it holds the runtime dir but answers nothing
-        status = server.cli("status", check=False)
-        assert status.returncode == 1 and f"pid {server.pid}" in status.stderr, status.stderr
-        stop = server.cli("shutdown", check=False)
-        assert stop.returncode == 0 and f"pid {server.pid}" in stop.stdout, (stop.stdout, stop.stderr)
-        # Woken and stopped by SIGTERM (a clean exit), not killed once the CLI's wait ran out.
-        assert server.proc.wait(timeout=60) == 0 and "killed" not in stop.stderr, stop.stderr
-        assert "SIGTERM: shutting down" in server.log()
-    finally:
-        server.stop()
+def test_the_cli_finds_and_stops_a_server_it_cannot_reach(server):
+    server.proc.send_signal(signal.SIGSTOP)  # it holds the runtime dir but answers nothing
+    status = server.cli("status", check=False)
+    assert status.returncode == 1 and f"pid {server.pid}" in status.stderr, status.stderr
+    stop = server.cli("shutdown", check=False)
+    assert stop.returncode == 0 and f"pid {server.pid}" in stop.stdout, (stop.stdout, stop.stderr)
+    # Woken and stopped by SIGTERM (a clean exit), not killed once the CLI's wait ran out.
+    assert server.proc.wait(timeout=60) == 0 and "killed" not in stop.stderr, stop.stderr
+    assert "SIGTERM: shutting down" in server.log()
 
 
 def test_a_server_started_while_the_last_one_still_holds_the_runtime_dir_waits_for_it(runtime_dir):
@@ -351,7 +342,7 @@ def test_stalled_blobs_and_oversized_keys_cost_the_server_bounded_memory(server)
 
 
 def test_connections_past_the_cap_are_refused_busy_and_the_server_keeps_serving(server):
-    from overmind.server.daemon import MAX_CONNECTIONS
+    from overmind.server.connections import MAX_CONNECTIONS
 
     held = []
     try:

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from ..conftest import child_env
-from .conftest import (OVERMIND, ServerProcess, overmind_run, plain_python, read_until, runs_forked, spawn_in_pty,
-                       started_warm_server, wait_warm)
+from .conftest import (OVERMIND, overmind_run, plain_python, read_until, runs_forked, spawn_in_pty, started_warm_server,
+                       wait_warm)
 
 @pytest.fixture(scope="module")
 def warm_server():
@@ -254,22 +254,16 @@ def test_a_changed_installed_module_is_never_run_from_the_old_interpreter(warm_s
     assert "changed since it was imported" in warm_server.log()
 
 
-def test_retiring_the_interpreter_never_kills_a_run_in_progress(tmp_path):
-    runtime = Path(tempfile.mkdtemp(prefix="om-ret-", dir="/tmp"))
-    server = ServerProcess(runtime)
-    try:
-        overmind_run(server, "-c", "pass")
-        wait_warm(server)
-        script = tmp_path / "long.py"
-        script.write_text("import time\nprint('start', flush=True)\ntime.sleep(3)\nprint('end')\n")
-        proc = subprocess.Popen([OVERMIND, "run", str(script)], env=server.client_env(), stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline() == "start\n"
-        server.cli("shutdown")  # retires every warm interpreter
-        assert proc.stdout.read() == "end\n" and proc.wait(timeout=30) == 0
-        proc.stdout.close()
-    finally:
-        server.stop()
-        subprocess.run(["rm", "-rf", str(runtime)])
+def test_retiring_the_interpreter_never_kills_a_run_in_progress(server, tmp_path):
+    overmind_run(server, "-c", "pass")
+    wait_warm(server)
+    script = tmp_path / "long.py"
+    script.write_text("import time\nprint('start', flush=True)\ntime.sleep(3)\nprint('end')\n")
+    proc = subprocess.Popen([OVERMIND, "run", str(script)], env=server.client_env(), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "start\n"
+    server.cli("shutdown")  # retires every warm interpreter
+    assert proc.stdout.read() == "end\n" and proc.wait(timeout=30) == 0
+    proc.stdout.close()
 
 
 def test_without_a_server_the_run_is_plain_python(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ServerProcess, overmind_run, plain_python, runs_forked, started_warm_server, wait_warm
+from .conftest import overmind_run, plain_python, runs_forked, started_warm_server, wait_warm
 
 INDUCTOR = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1",
             "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "TORCHDYNAMO_VERBOSE": "1"}
@@ -119,28 +119,23 @@ def test_an_installed_librarys_own_setting_read_at_import_is_the_runs_own(env_se
     _until_warm_and_held(env_server, [str(script)], extra, tmp_path, sees("plain", [f"{upper}_EXTRA_A"]))
 
 
-def test_the_first_run_of_a_context_starts_an_interpreter_under_its_settings_so_no_later_run_goes_plain(tmp_path,
-                                                                                                       envlib):
+def test_the_first_run_of_a_context_starts_an_interpreter_under_its_settings_so_no_later_run_goes_plain(
+        tmp_path, envlib, make_server):  # the server stops before envlib's module goes
     """Note [A run's interpreter imports under the run's environment] in overmind.server.pool: a
     shell that sets a variable some installed import reads (TORCHINDUCTOR_CACHE_DIR, say) gets its
     warm runs from the second on, not a second plain run while another interpreter imports."""
     script = tmp_path / "flavour.py"
     script.write_text(f"import sys\nheld = {envlib!r} in sys.modules\nimport {envlib} as lib\n"
                       "print(held, lib.FLAVOUR, lib.EXTRAS)\n")
-    runtime = Path(tempfile.mkdtemp(prefix="om-env-first-", dir="/tmp"))
-    server = ServerProcess(runtime)
-    try:
-        spicy = server.client_env(**{f"{_prefix()}_FLAVOUR": "spicy"})
-        first = overmind_run(server, str(script), env=spicy, cwd=tmp_path)  # no interpreter yet: plain, and one starts
-        assert first.returncode == 0 and first.stdout == "False spicy []\n", first.stderr[-3000:]
-        assert runs_forked(server) == 0
-        runs = _until_warm_and_held(server, [str(script)], spicy, tmp_path,
-                                    lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
-        assert all(forked for forked, _ in runs), f"a run went plain on the way: {runs}\n{server.log()[-3000:]}"
-        assert len([z for z in server.status()["interpreters"] if z["alive"]]) == 1, server.status()["interpreters"]
-    finally:
-        server.stop()
-        shutil.rmtree(runtime, ignore_errors=True)
+    server = make_server()
+    spicy = server.client_env(**{f"{_prefix()}_FLAVOUR": "spicy"})
+    first = overmind_run(server, str(script), env=spicy, cwd=tmp_path)  # no interpreter yet: plain, and one starts
+    assert first.returncode == 0 and first.stdout == "False spicy []\n", first.stderr[-3000:]
+    assert runs_forked(server) == 0
+    runs = _until_warm_and_held(server, [str(script)], spicy, tmp_path,
+                                lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
+    assert all(forked for forked, _ in runs), f"a run went plain on the way: {runs}\n{server.log()[-3000:]}"
+    assert len([z for z in server.status()["interpreters"] if z["alive"]]) == 1, server.status()["interpreters"]
 
 
 class _Autostarted:
@@ -256,7 +251,7 @@ def test_a_server_stopped_while_the_interpreter_it_started_imports_logs_no_warni
         shutil.rmtree(runtime, ignore_errors=True)
 
 
-def test_a_learned_module_whose_import_failed_fails_later_imports_as_plain_python_does(tmp_path):
+def test_a_learned_module_whose_import_failed_fails_later_imports_as_plain_python_does(tmp_path, make_server):
     """Note [A failed import is not a refusal] in overmind.warm.interpreter: a report named a
     module whose import failed (it was in sys.modules while it imported); the interpreter's
     later import of a module that catches that ImportError succeeds, as in plain python, rather
@@ -280,8 +275,7 @@ def test_a_learned_module_whose_import_failed_fails_later_imports_as_plain_pytho
         os.utime(purelib / f"{name}.py", (time.time() - 60, time.time() - 60))
     script = tmp_path / "guarded.py"
     script.write_text(f"import sys\nheld = {guarded!r} in sys.modules\nimport {guarded} as g\nprint(held, g.HAS)\n")
-    runtime = Path(tempfile.mkdtemp(prefix="om-env-failed-", dir="/tmp"))
-    server = ServerProcess(runtime)
+    server = make_server()
     try:
         overmind_run(server, "-c", "pass")  # refused: starts the warm interpreter
         wait_warm(server)
@@ -301,7 +295,6 @@ def test_a_learned_module_whose_import_failed_fails_later_imports_as_plain_pytho
             time.sleep(0.3)
     finally:
         server.stop()
-        shutil.rmtree(runtime, ignore_errors=True)
         for name in sources:
             (purelib / f"{name}.py").unlink()
 
@@ -315,32 +308,28 @@ def read(name):
 """
 
 
-def test_a_load_forked_from_an_interpreter_a_run_started_sees_its_contexts_environment_not_that_runs(tmp_path):
+def test_a_load_forked_from_an_interpreter_a_run_started_sees_its_contexts_environment_not_that_runs(
+        tmp_path, make_server):
     """The first run's interpreter imports under that run's whole environment; a loader forked
     from it for another client's load keeps only what selects the context (overmind.warm.loader)."""
     (tmp_path / "readenv.py").write_text(READ_ENV)
     name = f"SHELL_ONLY_{os.getpid()}"  # no prefix overmind keys on
-    runtime = Path(tempfile.mkdtemp(prefix="om-env-load-", dir="/tmp"))
-    server = ServerProcess(runtime)
-    try:
-        first = overmind_run(server, "-c", "pass", env=server.client_env(**{name: "the first shell's"}), cwd=tmp_path)
-        assert first.returncode == 0 and runs_forked(server) == 0, first.stderr[-3000:]  # plain; an interpreter starts
-        wait_warm(server)
-        client = ("import json, overmind.api, readenv\n"
-                  f"print(json.dumps(overmind.api.load(readenv.read, {name!r})))\n")
-        proc = subprocess.run([sys.executable, "-c", client], env=server.client_env(OVERMIND_COLD="wait", OVERMIND_STRICT="1"),
-                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert json.loads(proc.stdout) == {"value": None}, server.log()[-3000:]  # the loader's answer, waited for
-        assert len([z for z in server.status()["interpreters"] if z["alive"]]) == 1, server.status()["interpreters"]
-    finally:
-        server.stop()
-        shutil.rmtree(runtime, ignore_errors=True)
+    server = make_server()
+    first = overmind_run(server, "-c", "pass", env=server.client_env(**{name: "the first shell's"}), cwd=tmp_path)
+    assert first.returncode == 0 and runs_forked(server) == 0, first.stderr[-3000:]  # plain; an interpreter starts
+    wait_warm(server)
+    client = ("import json, overmind.api, readenv\n"
+              f"print(json.dumps(overmind.api.load(readenv.read, {name!r})))\n")
+    proc = subprocess.run([sys.executable, "-c", client], env=server.client_env(OVERMIND_COLD="wait", OVERMIND_STRICT="1"),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == {"value": None}, server.log()[-3000:]  # the loader's answer, waited for
+    assert len([z for z in server.status()["interpreters"] if z["alive"]]) == 1, server.status()["interpreters"]
 
 
 def test_a_lineage_keeps_one_interpreter_for_runs_and_loads_and_one_started_for_a_load_imports_under_the_last_run(
-        tmp_path, envlib):
-    """Note [One interpreter per lineage] in overmind.server.pool: once runs were forked (the
+        tmp_path, envlib, make_server):
+    """Note [One interpreter per lineage] in overmind.server.interpreters: once runs were forked (the
     interpreter is filed under its own value of the setting its imports read), a client's load
     forks from it rather than starting a second; and after it retired, the interpreter a load
     starts imports under the last run's environment, so the next run is forked, not plain."""
@@ -348,8 +337,7 @@ def test_a_lineage_keeps_one_interpreter_for_runs_and_loads_and_one_started_for_
     script = tmp_path / "flavour.py"
     script.write_text(f"import sys\nheld = {envlib!r} in sys.modules\nimport {envlib} as lib\n"
                       "print(held, lib.FLAVOUR, lib.EXTRAS)\n")
-    runtime = Path(tempfile.mkdtemp(prefix="om-env-lineage-", dir="/tmp"))
-    server = ServerProcess(runtime, extra_env={"OVERMIND_WARM_MAX": "1"})
+    server = make_server({"OVERMIND_WARM_MAX": "1"})
 
     def load(name: str, **extra) -> None:
         client = f"import json, overmind.api, readenv\nprint(json.dumps(overmind.api.load(readenv.read, {name!r})))\n"
@@ -360,27 +348,23 @@ def test_a_lineage_keeps_one_interpreter_for_runs_and_loads_and_one_started_for_
     def started() -> int:
         return server.log().count("started warm interpreter")
 
-    try:
-        spicy = server.client_env(**{f"{_prefix()}_FLAVOUR": "spicy"})
-        first = overmind_run(server, str(script), env=spicy, cwd=tmp_path)  # plain; an interpreter starts under it
-        assert first.returncode == 0 and first.stdout == "False spicy []\n", first.stderr[-3000:]
-        _until_warm_and_held(server, [str(script)], spicy, tmp_path,
-                             lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
-        before = runs_forked(server)
-        again = overmind_run(server, str(script), env=spicy, cwd=tmp_path)  # forked from it, now filed under its value
-        assert again.stdout == "True spicy []\n" and runs_forked(server) == before + 1, server.log()[-3000:]
-        assert started() == 1, server.log()[-3000:]
-        load("A")
-        assert started() == 1, server.log()[-3000:]  # the load forked from the runs' interpreter
-        load("B", OPENBLAS_NUM_THREADS="1")  # another context: its interpreter retires ours (OVERMIND_WARM_MAX=1)
-        assert started() == 2 and "retiring warm interpreter" in server.log(), server.log()[-3000:]
-        load("C")  # the lineage has none now: this load starts one
-        assert started() == 3, server.log()[-3000:]
-        wait_warm(server)
-        before = runs_forked(server)
-        proc = overmind_run(server, str(script), env=spicy, cwd=tmp_path)
-        assert proc.returncode == 0 and proc.stdout == "True spicy []\n", proc.stderr[-3000:]
-        assert runs_forked(server) == before + 1, f"the run went plain\n{server.log()[-3000:]}"
-    finally:
-        server.stop()
-        shutil.rmtree(runtime, ignore_errors=True)
+    spicy = server.client_env(**{f"{_prefix()}_FLAVOUR": "spicy"})
+    first = overmind_run(server, str(script), env=spicy, cwd=tmp_path)  # plain; an interpreter starts under it
+    assert first.returncode == 0 and first.stdout == "False spicy []\n", first.stderr[-3000:]
+    _until_warm_and_held(server, [str(script)], spicy, tmp_path,
+                         lambda out: out.split(" ", 1)[1] == "spicy []\n" or pytest.fail(out))
+    before = runs_forked(server)
+    again = overmind_run(server, str(script), env=spicy, cwd=tmp_path)  # forked from it, now filed under its value
+    assert again.stdout == "True spicy []\n" and runs_forked(server) == before + 1, server.log()[-3000:]
+    assert started() == 1, server.log()[-3000:]
+    load("A")
+    assert started() == 1, server.log()[-3000:]  # the load forked from the runs' interpreter
+    load("B", OPENBLAS_NUM_THREADS="1")  # another context: its interpreter retires ours (OVERMIND_WARM_MAX=1)
+    assert started() == 2 and "retiring warm interpreter" in server.log(), server.log()[-3000:]
+    load("C")  # the lineage has none now: this load starts one
+    assert started() == 3, server.log()[-3000:]
+    wait_warm(server)
+    before = runs_forked(server)
+    proc = overmind_run(server, str(script), env=spicy, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout == "True spicy []\n", proc.stderr[-3000:]
+    assert runs_forked(server) == before + 1, f"the run went plain\n{server.log()[-3000:]}"

@@ -148,31 +148,22 @@ def test_a_new_runtime_dir_is_created_private(runtime_dir):
     assert stat.S_IMODE(os.lstat(fresh).st_mode) == 0o700
 
 
-def test_a_planted_pid_symlink_is_replaced_never_written_through(runtime_dir, tmp_path):
+def test_a_planted_pid_symlink_is_replaced_never_written_through(make_server, runtime_dir, tmp_path):
     precious = tmp_path / "precious"
     precious.write_text("root's file\n")
     (runtime_dir / "server.pid").symlink_to(precious)
-    from .conftest import ServerProcess
-
-    server = ServerProcess(runtime_dir)
-    try:
-        assert precious.read_text() == "root's file\n"
-        pid_file = runtime_dir / "server.pid"
-        assert stat.S_ISREG(os.lstat(pid_file).st_mode) and pid_file.read_text().strip() == str(server.pid)
-    finally:
-        server.stop()
+    server = make_server()
+    assert precious.read_text() == "root's file\n"
+    pid_file = runtime_dir / "server.pid"
+    assert stat.S_ISREG(os.lstat(pid_file).st_mode) and pid_file.read_text().strip() == str(server.pid)
+    server.stop()
     assert precious.read_text() == "root's file\n"
 
 
-def test_a_planted_fifo_as_pid_file_does_not_hang_the_server(runtime_dir):
+def test_a_planted_fifo_as_pid_file_does_not_hang_the_server(make_server, runtime_dir):
     os.mkfifo(runtime_dir / "server.pid")
-    from .conftest import ServerProcess
-
-    server = ServerProcess(runtime_dir)  # returns once ready: a hang would time the test out
-    try:
-        assert (runtime_dir / "server.pid").read_text().strip() == str(server.pid)
-    finally:
-        server.stop()
+    server = make_server()  # returns once ready: a hang would time the test out
+    assert (runtime_dir / "server.pid").read_text().strip() == str(server.pid)
 
 
 @pytest.mark.parametrize("name", ["server.log", "server.instance.lock"])

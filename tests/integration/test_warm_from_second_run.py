@@ -2,12 +2,11 @@
 the first run imports, and a caller that joins a fill instead of loading plainly.
 
 Note [Prefetch] in overmind.client.prefetch, Note [Teaching the interpreter while importing] there,
-Note [Joining a fill] in overmind.server.fills. Real server, real scripts run as fresh processes.
+Note [Joining a fill] in overmind.server.joins. Real server, real scripts run as fresh processes.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from safetensors.torch import save_file
 from ..conftest import age_files
 from overmind.shared.segments.memfd import RESIDENT, cached_share
 
-from .conftest import LEFT_TO_PAGE_CACHE, ServerProcess, last_json, lose_from_page_cache
+from .conftest import LEFT_TO_PAGE_CACHE, last_json, lose_from_page_cache
 
 OVERMIND = str(Path(sys.executable).parent / "overmind")
 
@@ -70,25 +69,22 @@ def test_the_next_run_of_a_program_maps_what_it_loaded_before_its_load(server, p
     assert server.status()["hits"] >= 1
 
 
-def test_the_next_run_of_a_program_reads_back_a_model_file_the_page_cache_lost(runtime_dir, program):
+def test_the_next_run_of_a_program_reads_back_a_model_file_the_page_cache_lost(make_server, program):
     script, weights = program
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "", **LEFT_TO_PAGE_CACHE})  # the file stays the segment
+    server = make_server({"OVERMIND_SETTLE_AFTER": "", **LEFT_TO_PAGE_CACHE})  # the file stays the segment
+    first = _run(server, script, weights)
+    assert server.wait_idle()["file_segments"]["bytes"] == weights.stat().st_size
+    lose_from_page_cache(weights)
+    fd = os.open(weights, os.O_RDONLY)
     try:
-        first = _run(server, script, weights)
-        assert server.wait_idle()["file_segments"]["bytes"] == weights.stat().st_size
-        lose_from_page_cache(weights)
-        fd = os.open(weights, os.O_RDONLY)
-        try:
-            second = _run(server, script, weights, "expect-prefetch")
-            # read back on the prefetch thread (Note [Reading back a lost file]), the hit then equal
-            assert second["read_back"] == weights.stat().st_size and second["used"] >= 1, second
-            assert (second["sum"], second["first"]) == (first["sum"], first["first"])
-            assert cached_share(fd, weights.stat().st_size) >= RESIDENT
-            assert server.status()["file_segments"]["settled"] == 0  # empty: never copied, not even when lost
-        finally:
-            os.close(fd)
+        second = _run(server, script, weights, "expect-prefetch")
+        # read back on the prefetch thread (Note [Reading back a lost file]), the hit then equal
+        assert second["read_back"] == weights.stat().st_size and second["used"] >= 1, second
+        assert (second["sum"], second["first"]) == (first["sum"], first["first"])
+        assert cached_share(fd, weights.stat().st_size) >= RESIDENT
+        assert server.status()["file_segments"]["settled"] == 0  # empty: never copied, not even when lost
     finally:
-        server.stop()
+        os.close(fd)
 
 
 TWO_FILES = """
@@ -120,62 +116,53 @@ def two_files(tmp_path):
     return script, paths
 
 
-def test_lost_files_are_read_back_while_the_script_has_not_imported_torch(runtime_dir, two_files):
+def test_lost_files_are_read_back_while_the_script_has_not_imported_torch(make_server, two_files):
     script, paths = two_files
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "", **LEFT_TO_PAGE_CACHE})  # the files stay the segments
-    try:
-        first = _run(server, script, *paths)
-        assert server.wait_idle()["file_segments"]["bytes"] == sum(p.stat().st_size for p in paths)
-        for path in paths:
-            lose_from_page_cache(path)
-        second = _run(server, script, *paths, "lost")
-        # every lost file, not only the first: the mappings wait for torch's import, the reads do not
-        assert second["before_torch"] == {"read_back": sum(p.stat().st_size for p in paths), "torch": False}
-        assert second["sums"] == first["sums"] and second["used"] == 2
-    finally:
-        server.stop()
+    server = make_server({"OVERMIND_SETTLE_AFTER": "", **LEFT_TO_PAGE_CACHE})  # the files stay the segments
+    first = _run(server, script, *paths)
+    assert server.wait_idle()["file_segments"]["bytes"] == sum(p.stat().st_size for p in paths)
+    for path in paths:
+        lose_from_page_cache(path)
+    second = _run(server, script, *paths, "lost")
+    # every lost file, not only the first: the mappings wait for torch's import, the reads do not
+    assert second["before_torch"] == {"read_back": sum(p.stat().st_size for p in paths), "torch": False}
+    assert second["sums"] == first["sums"] and second["used"] == 2
 
 
-def test_a_lost_file_a_program_was_handed_to_read_back_is_not_copied_beside_it(runtime_dir, two_files):
+def test_a_lost_file_a_program_was_handed_to_read_back_is_not_copied_beside_it(make_server, two_files):
     script, paths = two_files
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600", **LEFT_TO_PAGE_CACHE})  # copies only what the page cache lost
-    try:
-        _run(server, script, *paths)
-        server.wait_idle()
-        _run(server, script, *paths)  # its prefetch was handed both files
-        lose_from_page_cache(paths[0])
-        time.sleep(2.0)  # four looks of the settler, which copies a lost file at once (test_file_segments)
-        status = server.status()["file_segments"]
-        assert status["settled"] == 0 and status["copying"] is None, status
-    finally:
-        server.stop()
+    server = make_server({"OVERMIND_SETTLE_AFTER": "600", **LEFT_TO_PAGE_CACHE})  # copies only what the page cache lost
+    _run(server, script, *paths)
+    server.wait_idle()
+    _run(server, script, *paths)  # its prefetch was handed both files
+    lose_from_page_cache(paths[0])
+    time.sleep(2.0)  # four looks of the settler, which copies a lost file at once (test_file_segments)
+    status = server.status()["file_segments"]
+    assert status["settled"] == 0 and status["copying"] is None, status
 
 
-def test_a_lost_file_a_forked_run_was_handed_last_is_copied_at_once(runtime_dir, two_files):
+def test_a_lost_file_a_forked_run_was_handed_last_is_copied_at_once(make_server, two_files):
     script, paths = two_files
-    server = ServerProcess(runtime_dir, {"OVERMIND_SETTLE_AFTER": "600", **LEFT_TO_PAGE_CACHE})
-    try:
-        _run(server, script, *paths)
-        server.wait_idle()
-        _run(server, script, *paths)  # an importing client: the files are left to it
-        before = server.status()["runs"]
-        deadline = time.monotonic() + 60
-        while server.status()["runs"] == before:  # the first `overmind run` runs plainly, and imports
-            assert time.monotonic() < deadline, "no run was forked"
-            proc = subprocess.run([OVERMIND, "run", str(script), *map(str, paths)], env=server.client_env(),
-                                  capture_output=True, text=True, timeout=120, cwd=script.parent)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        lose_from_page_cache(paths[0])
-        # a forked run imports nothing: its next run gains from the sealed copy, not from its own read
-        # (named by its inode: the machine's memory needs may take the other file too, as in CI)
-        stat = paths[0].stat()
-        settled = f"settled file segment {stat.st_dev}:{stat.st_ino} ({stat.st_size} bytes)"
-        deadline = time.monotonic() + 20
-        while settled not in server.log() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert settled in server.log(), (server.status()["file_segments"], server.log()[-3000:])
-    finally:
-        server.stop()
+    server = make_server({"OVERMIND_SETTLE_AFTER": "600", **LEFT_TO_PAGE_CACHE})
+    _run(server, script, *paths)
+    server.wait_idle()
+    _run(server, script, *paths)  # an importing client: the files are left to it
+    before = server.status()["runs"]
+    deadline = time.monotonic() + 60
+    while server.status()["runs"] == before:  # the first `overmind run` runs plainly, and imports
+        assert time.monotonic() < deadline, "no run was forked"
+        proc = subprocess.run([OVERMIND, "run", str(script), *map(str, paths)], env=server.client_env(),
+                              capture_output=True, text=True, timeout=120, cwd=script.parent)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    lose_from_page_cache(paths[0])
+    # a forked run imports nothing: its next run gains from the sealed copy, not from its own read
+    # (named by its inode: the machine's memory needs may take the other file too, as in CI)
+    stat = paths[0].stat()
+    settled = f"settled file segment {stat.st_dev}:{stat.st_ino} ({stat.st_size} bytes)"
+    deadline = time.monotonic() + 20
+    while settled not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert settled in server.log(), (server.status()["file_segments"], server.log()[-3000:])
 
 
 def test_a_prefetched_entry_whose_file_changed_is_never_used(server, program):
@@ -253,14 +240,13 @@ def load_weights(path):
 """
 
 
-def test_what_a_first_runs_load_imports_is_taught_while_it_loads(runtime_dir, tmp_path):
+def test_what_a_first_runs_load_imports_is_taught_while_it_loads(make_server, tmp_path):
     """Note [Teaching the interpreter while importing] in overmind.client.prefetch: the report goes
     on through the loads, so the interpreter holds a module the load imported before the load
     returns (the fill that follows forks from it)."""
     (tmp_path / "teaching.py").write_text(TEACHING_LOAD)
-    server = ServerProcess(runtime_dir, {"OVERMIND_LOG_LEVEL": "DEBUG"})
-    try:
-        code = f"""
+    server = make_server({"OVERMIND_LOG_LEVEL": "DEBUG"})
+    code = f"""
 import json, sys
 sys.path.insert(0, {str(tmp_path)!r})
 import overmind.api
@@ -268,9 +254,7 @@ overmind.api.monkey_patch_all(["teaching::load_weights"])
 import teaching
 print(json.dumps(teaching.load_weights("weights")))
 """
-        proc = subprocess.run([sys.executable, "-c", code], env=server.client_env(), capture_output=True, text=True,
-                              timeout=120, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert last_json(proc) == {"taught_while_loading": True}, server.log()[-3000:]
-    finally:
-        server.stop()
+    proc = subprocess.run([sys.executable, "-c", code], env=server.client_env(), capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert last_json(proc) == {"taught_while_loading": True}, server.log()[-3000:]
