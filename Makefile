@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.overmind-installed
 
-.PHONY: venv demo test test-slow clean
+.PHONY: venv demo docs test test-slow clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml setup.py csrc/overmind.cpp
 # small models it generates (into ~/.cache/overmind-bench; OVERMIND_BENCH_CACHE moves it).
 demo: venv
 	$(VENV)/bin/overmind-bench --quick
+
+# docs/benchmarks.md is generated: the manual in src/overmind/bench/page.md with the results
+# committed in docs/results/ (tests/unit/test_bench_report.py fails when the two drift apart).
+docs: venv
+	$(VENV)/bin/overmind-bench --report docs/results/*.json --output docs/benchmarks.md
 
 # Each test file whole on one worker (its server and models are built once per file); two
 # workers keep a 2-core machine busy without starving the servers the tests start.

@@ -11,7 +11,8 @@
 #     benchmarks/real_envs.sh minimal    # a venv of torch, diffusers, transformers, accelerate only
 #                                        # (made in /tmp/overmind-minimal-venv): no regression there
 #
-# ROUNDS (default 2) sets --curve-rounds; results in out/real_envs/<case>.json. KEEP_LOGS=1 keeps
+# ROUNDS (default 2) sets --curve-rounds; results in out/real_envs/<case>.json (copied into
+# docs/results/, overmind-bench --report renders them into docs/benchmarks.md). KEEP_LOGS=1 keeps
 # the servers' and runs' logs (the bench prints where; OVERMIND_LOG_LEVEL=DEBUG reaches the server).
 set -euo pipefail
 case ${1:-} in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
@@ -28,11 +29,14 @@ trap 'rm -rf "$work"' EXIT
 
 case $case in
 users)
-    "$PY" "${bench[@]}" --imports pandas ;;
+    "$PY" "${bench[@]}" --imports pandas --about "In a venv as users have it: \`benchmarks/real_envs.sh users\`, \
+the project's venv (\`make venv\`: torch, diffusers, transformers, accelerate and the test extra's scipy, \
+scikit-learn, pandas and pyarrow), both scripts importing pandas after torch." ;;
 many-cpus)
     cc -shared -fPIC -O2 -o "$work/libmany_cpus.so" tests/shims/many_cpus.c -ldl
     LD_PRELOAD=$work/libmany_cpus.so "$PY" -c "import os; assert os.cpu_count() == 16, os.cpu_count()"
-    LD_PRELOAD=$work/libmany_cpus.so "$PY" "${bench[@]}" --imports pandas ;;
+    LD_PRELOAD=$work/libmany_cpus.so "$PY" "${bench[@]}" --imports pandas --about "Every process seeing 16 \
+CPUs: \`benchmarks/real_envs.sh many-cpus\`, the users' venv with os.cpu_count() 16 (tests/shims/many_cpus.c)." ;;
 stranger)
     site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     name=overmind_bench_stranger
@@ -41,7 +45,9 @@ stranger)
         > "$site/$name.py"
     touch -d '1 minute ago' "$site/$name.py" "$site/lib$name.so"
     trap 'rm -rf "$work" "$site/$name.py" "$site/lib$name.so"' EXIT
-    "$PY" "${bench[@]}" --curve-scripts lm --imports "pandas,$name" ;;
+    "$PY" "${bench[@]}" --curve-scripts lm --imports "pandas,$name" --about "A module nobody vouches for: \
+\`benchmarks/real_envs.sh stranger\`, the LM script also importing a module whose library starts an unknown \
+thread (tests/shims/stranger.c)." ;;
 minimal)
     venv=/tmp/overmind-minimal-venv
     if [ ! -x "$venv/bin/python" ]; then
@@ -53,7 +59,8 @@ minimal)
     if "$venv/bin/python" -c "import scipy" 2>/dev/null; then
         echo "$venv holds scipy: not a minimal venv" >&2; exit 2
     fi
-    "$venv/bin/python" "${bench[@]}" ;;
+    "$venv/bin/python" "${bench[@]}" --about "In a minimal venv: \`benchmarks/real_envs.sh minimal\`, a venv of \
+torch, diffusers, transformers and accelerate only." ;;
 *)
     echo "unknown case $case: users, many-cpus, stranger or minimal" >&2; exit 2 ;;
 esac

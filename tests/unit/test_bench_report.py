@@ -8,9 +8,11 @@ import re
 
 import pytest
 
-from overmind.bench import cli, report
+from overmind.bench import cli, page, report
 from overmind.bench.runner import Plan
 from overmind.bench.scenarios import SCENARIOS
+
+from ..conftest import REPO
 
 
 def plan_of(*argv: str) -> Plan:
@@ -245,3 +247,116 @@ def test_warm_up_curve_document_divides_each_run_by_plains_median_and_validates(
     row = next(line for line in text.splitlines() if line.startswith("python + monkey_patch_all()"))
     assert row.split()[3:] == ["1.04", "0.82", "0.80", "0.80", "0.80", "1.02"]
     assert "lm: `python lm.py`, page cache warm, shmem_enabled never; python 5.000 s" in text
+
+
+# -- docs/benchmarks.md: overmind-bench --report -----------------------------------------------
+
+PAGE, RESULTS = "docs/benchmarks.md", "docs/results"
+
+
+def test_the_benchmarks_page_is_what_its_committed_results_make(monkeypatch):
+    """docs/benchmarks.md is generated: a hand edit, a result added without regenerating, or a
+    template change left unrendered fails here. The fix is `make docs`."""
+    monkeypatch.chdir(REPO)
+    paths = sorted(str(p.relative_to(REPO)) for p in (REPO / RESULTS).glob("*.json"))
+    assert paths, f"no results in {RESULTS}"
+    command = page.command_line(paths, PAGE)
+    assert command == f"overmind-bench --report {RESULTS}/*.json --output {PAGE}"
+    expected = page.render(page.load(paths), command, PAGE)
+    assert (REPO / PAGE).read_text() == expected, f"{PAGE} is not what `{command}` makes: run `make docs`"
+
+
+def test_the_page_gives_each_figure_with_its_command_date_machine_and_version(monkeypatch):
+    monkeypatch.chdir(REPO)
+    text = (REPO / PAGE).read_text()
+    for path in sorted((REPO / RESULTS).glob("*.json")):
+        doc = json.loads(path.read_text())
+        block = text[text.index(f"### [{path.name}]"):]
+        block = re.split(r"\n##+ ", block[4:], maxsplit=1)[0]  # to the next result or section
+        head = " ".join(block.split("\n\n", 3)[2].split())  # the provenance list, unwrapped
+        assert f"Command: `{' '.join(doc['command'])}`" in head
+        assert f"Measured {doc['created'][:10]} with overmind {doc['overmind_version']}" in head
+        assert f"Machine: {doc['machine']['cpus']} cores" in head and doc["machine"]["versions"]["torch"] in head
+        assert "What it means: " in block
+    assert not re.search(r"\b(?:19|20)\d\d-\d\d-\d\d\b", (REPO / "src/overmind/bench/page.md").read_text()), \
+        "a date in the template is a figure without its result"
+
+
+def _page_doc(plan: Plan, **parts) -> dict:
+    doc = report.document(plan, _results(plan), {"bare_s": [0.01, 0.012], "patched_s": [0.04, 0.05],
+                                                 "added_s": 0.034}, cache_dir="/tmp/cache", wall_s=75.0,
+                          cuda_device=None, argv=["overmind-bench", "--scenarios", "lm,memory,startup"],
+                          about="A test run.", **parts)
+    return json.loads(json.dumps(doc))
+
+
+def test_the_page_renders_every_kind_and_says_what_has_no_result():
+    plan = Plan(scenarios=[SCENARIOS["lm"]], memory_cases=[SCENARIOS["lm"]], whole_scripts=("lm", "imports"),
+                whole_runs=3)
+    doc = _page_doc(plan, whole=_whole_results())
+    text = page.render([page.Result("out/run.json", doc)], "overmind-bench --report out/run.json", "out/page.md")
+    assert "### [run.json](run.json)" in text and "A test run." in text
+    assert "- Command: `overmind-bench --scenarios lm,memory,startup`" in text
+    assert f"- Measured {doc['created'][:10]} with overmind {doc['overmind_version']}, in 1 min" in text
+    assert "| overmind warm | warm | " in text and "0.060 (0.010-0.110)" in text
+    assert "once cached, this load takes 0.240 x a plain one (0.060 s against 0.250 s)" in " ".join(text.split())
+    assert "| lm | 2.20 GB | 8.00 GB (3.60 x) | 2.30 GB (1.05 x) |" in text
+    assert "adds 34.0 ms" in text
+    flat = " ".join(text.split())
+    assert "| `overmind run` | cold | 1.250 | 1.350 | 1.550 (0.550-2.550) | 0.172 |" in text
+    assert "`python lm.py` exited in 0.93 x with `monkey_patch_all()` (6.500 s), 0.21 x with `overmind run` " \
+           "(1.500 s), against plain python's 7.000 s." in flat
+    # No file has a warm-up curve or the other load scenarios: each says so, with the command that makes it.
+    assert "No results yet: none of the files this page was made from has them. To make them: " \
+           "`overmind-bench --scenarios warmup_curve --json docs/results/warmup-curve.json`" in flat
+    assert "`overmind-bench --scenarios whole_process" not in flat
+    assert "No results yet for controlnet, fp32_as_fp16, pickle_bin, single_file: " \
+           "`overmind-bench --scenarios controlnet,fp32_as_fp16,pickle_bin,single_file" in flat
+    assert "{{" not in text
+
+
+def test_a_failed_scenario_says_so_and_draws_no_conclusion():
+    plan = Plan(scenarios=[SCENARIOS["lm"]], memory_cases=[], curve_scripts=("lm",), curve_modes=("patched",))
+    doc = _page_doc(plan, curve=_curve_results())
+    # Failed after its plain and warm runs: the rows it has are shown, but no conclusion drawn from them.
+    doc["scenarios"][0].update(status="failed", reason="worker 3 exited 1\nTraceback ...")
+    doc["warmup_curve"]["scripts"][0].update(status="failed", reason="run 2 printed no marks")
+    text = page.render([page.Result("r.json", doc)], "overmind-bench --report r.json")
+    flat = " ".join(text.split())
+    assert "**failed**: worker 3 exited 1" in flat and "Traceback" not in text and "| overmind warm | warm |" in text
+    assert "What it means: no figure: this scenario failed." in flat
+    assert "**failed**: run 2 printed no marks" in flat and "What it means: no figure: this curve failed." in flat
+    ok = _page_doc(plan, curve=_curve_results())
+    ok_text = " ".join(page.render([page.Result("r.json", ok)], "x").split())
+    assert "run 1, which fills the cache, took 1.04 x plain python; every run of `python lm.py` after it took " \
+           "0.80-1.02 x (4.0-5.1 s) with the one line, against plain python's 5.0 s." in ok_text
+    assert "| the one line | 1.04 | 0.82 | 0.80 | 0.80 | 0.80 | 1.02 | 0 of 10 | 8 of 10 |" in ok_text
+
+
+def test_the_template_names_only_known_sections_and_results_must_be_results(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("unknown placeholder '{{results benchmarks}}'")):
+        page.render([], "x", template="# B\n\n{{results benchmarks}}\n")
+    (tmp_path / "a.json").write_text('{"tool": "something else"}')
+    with pytest.raises(ValueError, match="a.json: not an overmind-bench --json result: .*missing"):
+        page.load([str(tmp_path / "a.json")])
+    (tmp_path / "b.json").write_text("{}")
+    every = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert page.command_line(every, "p.md") == f"overmind-bench --report {tmp_path}/*.json --output p.md"
+    assert page.command_line(every[:1], None) == f"overmind-bench --report {tmp_path}/a.json"
+
+
+def test_report_writes_the_page_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    plan = Plan(scenarios=[], memory_cases=[], startup=False, curve_scripts=("lm",), curve_modes=("patched",))
+    doc = report.document(plan, {"scenarios": {}, "memory": []}, None, cache_dir="/tmp/cache", wall_s=1.0,
+                          cuda_device=None, argv=["overmind-bench"], curve=_curve_results())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "curve.json").write_text(json.dumps(doc))
+    assert cli.main(["--report", "results/curve.json", "--output", "page.md"]) == cli.EXIT_OK
+    text = (tmp_path / "page.md").read_text()
+    assert text.startswith("# Benchmarks\n\nThis page is generated by `overmind-bench --report results/*.json "
+                           "--output page.md`")
+    assert "[curve.json](results/curve.json)" in text
+    assert cli.main(["--report", "page.md"]) == cli.EXIT_USAGE  # not a result
+    assert cli.main(["--output", "page.md"]) == cli.EXIT_USAGE  # --output without --report
+    assert "--output goes with --report" in capsys.readouterr().err

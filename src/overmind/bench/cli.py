@@ -38,8 +38,12 @@ your server or its cache. The table and JSON say which
 lets overmind back its segments with huge pages, which makes the first use of a warm model
 cheap); as root, ``--shmem-enabled never,advise`` runs the load scenarios under each value
 in turn and restores the original afterwards. ``--json FILE`` writes every figure (schema:
-:mod:`overmind.bench.report`); ``--plot FILE.png`` draws them (needs matplotlib:
-``pip install 'overmind[bench]'``).
+:mod:`overmind.bench.report`; ``--about TEXT`` says in it what the run is); ``--plot FILE.png``
+draws them (needs matplotlib: ``pip install 'overmind[bench]'``).
+
+``--report RESULT.json ... [--output FILE]`` runs nothing: it renders the benchmarks page from
+such files (:mod:`overmind.bench.page`); docs/benchmarks.md is
+``overmind-bench --report docs/results/*.json --output docs/benchmarks.md``.
 
 Exit status: 0 done (skipped scenarios say why); 1 a scenario failed (its worker logs are
 kept and named); 2 bad usage.
@@ -171,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, metavar="FILE",
                         help="write the results here (schema: overmind.bench.report)")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="bar chart of the phases (needs matplotlib)")
+    parser.add_argument("--about", metavar="TEXT",
+                        help="what this run is (a venv, a machine), kept in the JSON and printed by --report")
+    parser.add_argument("--report", nargs="+", metavar="RESULT.json",
+                        help="run nothing: render the benchmarks page from these --json results "
+                             "(docs/benchmarks.md: --report docs/results/*.json --output docs/benchmarks.md)")
+    parser.add_argument("--output", metavar="FILE", help="--report: write the page here (default: stdout)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while generating models")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the worker logs and the warm-up curve's server logs when every run passed "
@@ -299,6 +309,13 @@ def _cuda_device(device: str) -> tuple[Optional[str], Optional[str]]:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.report:  # renders results, runs nothing: overmind.bench.page
+        from overmind.bench import page
+
+        return page.main(args.report, args.output)
+    if args.output:
+        print("overmind-bench: --output goes with --report", file=sys.stderr)
+        return EXIT_USAGE
     if (args.scenarios or "").strip() == "compiled":  # its own runner: overmind.bench.compiled
         from overmind.bench import compiled
 
@@ -394,7 +411,7 @@ def _run(args: argparse.Namespace, argv: list[str], plan: Plan, extra: dict, sta
         server.stop()
     doc = document(plan, results, startup, cache_dir=cache_dir, wall_s=time.monotonic() - started,
                    cuda_device=cuda_name, argv=["overmind-bench", *argv], whole=whole, curve=curve,
-                   shmem_enabled=shmem_enabled)
+                   shmem_enabled=shmem_enabled, about=args.about)
     validate(doc)
     print(format_tables(doc), flush=True)
     if args.json:

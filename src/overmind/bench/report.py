@@ -9,6 +9,7 @@ Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` o
       "overmind_version": str,
       "created": str,                      # ISO 8601, UTC
       "command": [str, ...],               # argv of the run
+      "about": str|null,                   # --about: what the run is (absent in older files)
       "wall_s": float,                     # the whole run, model generation included
       "machine": {"cpus": int, "memory_bytes": int, "platform": str, "python": str,
                   "versions": {"torch": str, "diffusers": str|null, "transformers": str|null},
@@ -123,9 +124,10 @@ def _versions() -> dict:
 
 def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, wall_s: float,
              cuda_device: Optional[str], argv: list[str], whole: Optional[dict] = None,
-             curve: Optional[dict] = None, shmem_enabled: Optional[str] = None) -> dict:
+             curve: Optional[dict] = None, shmem_enabled: Optional[str] = None,
+             about: Optional[str] = None) -> dict:
     """The JSON document of a run (schema in the module docstring). ``shmem_enabled``: the
-    machine's value when the run started."""
+    machine's value when the run started; ``about``: ``--about``."""
     from overmind import __version__
 
     scenarios = []
@@ -167,6 +169,7 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
         "overmind_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": list(argv),
+        "about": about,
         "wall_s": wall_s,
         "machine": {"cpus": os.cpu_count() or 0,
                     "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
@@ -311,6 +314,7 @@ def validate(doc: dict) -> None:
         "warmup_curve": curve,
     }
     check(doc, schema, "$")
+    optional(str)(doc.get("about"), "$.about")  # optional: files written before --about have none
 
 
 # -- the terminal table -----------------------------------------------------------------------
