@@ -394,7 +394,7 @@ def test_restart_scenario_times_a_client_beside_a_restore_against_one_beside_not
                           env=child_env(HF_HUB_OFFLINE="1", OVERMIND_BENCH_CACHE=str(tmp_path / "models")),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(out.read_text())["client_during_restore"]
+    found = json.loads(out.read_text())["restart"]["client_during_restore"]  # overmind-bench's document
     assert [len(found["exit_seconds"][case]) for case in ("restoring", "nothing")] == [1, 1], found
     assert found["restore_states"]["nothing"] == ["none"], found
     assert found["restore_states"]["restoring"][0] in ("restoring", "done"), found

@@ -102,7 +102,7 @@ def test_help_exits_zero():
 
 def test_overmind_bench_hands_memory_pressure_to_its_runner(monkeypatch):
     seen = []
-    monkeypatch.setattr(pressure, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(pressure, "main", lambda argv, command: seen.append((argv, command)) or 0)
     argv = ["--scenarios", "memory_pressure", "--scale", "small", "--margin", "8", "--hold", "1", "--pairs", "2"]
     assert cli.main(argv) == 0
-    assert seen == [argv]
+    assert seen == [(argv, ["overmind-bench", *argv])]  # the command its document gives

@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 import json
 import re
+from typing import Optional
 
 import pytest
 
-from overmind.bench import cli, page, report
+from overmind.bench import alone, cli, page, report
 from overmind.bench.runner import Plan
 from overmind.bench.scenarios import SCENARIOS
 
@@ -360,3 +361,266 @@ def test_report_writes_the_page_and_runs_nothing(tmp_path, monkeypatch, capsys):
     assert cli.main(["--report", "page.md"]) == cli.EXIT_USAGE  # not a result
     assert cli.main(["--output", "page.md"]) == cli.EXIT_USAGE  # --output without --report
     assert "--output goes with --report" in capsys.readouterr().err
+
+
+# -- the scenarios that run alone: compiled, restart, memory_pressure ---------------------------
+
+
+def _compiled_results() -> dict:
+    """What compiled.run_scenario() fills in: both scripts, 3 pairs, 10 hang runs each."""
+    from overmind.bench.compiled import CONFIG
+
+    def script(curve: list, plain: list, run: list, hung: int = 0) -> dict:
+        plain_median, run_median = sorted(plain)[1], sorted(run)[1]
+        return {"curve_s": curve, "plain_s": plain, "run_s": run, "plain_median_s": plain_median,
+                "run_median_s": run_median, "ratio": round(run_median / plain_median, 3), "hang_runs": 10,
+                "hung": hung}
+
+    return {"config": dict(CONFIG), "python": "/venv/bin/python", "compile_cold_s": 41.23, "package_s": 55.0,
+            "scripts": {"compile_block": script([9.1, 2.4, 2.3, 2.3, 2.2], [6.1, 6.0, 6.3], [2.3, 2.2, 2.4]),
+                        "aoti_block": script([3.5, 0.6, 0.5, 0.5, 0.5], [2.9, 3.0, 3.1], [0.5, 0.5, 0.6])}}
+
+
+def _restart_results() -> dict:
+    """What restart.run() and client_during_restore() fill in: both stops, 3 pairs."""
+    from overmind.bench.restart import TARGETS
+
+    def after(exit_: float, plain: float, equal: bool = True) -> dict:
+        return {"ready": exit_ - 0.2, "exit": exit_, "weights": "1234", "over_plain": exit_ / plain,
+                "weights_equal": equal}
+
+    restore = {"state": "done", "ready": True, "entries": 9}
+    return {"scale": "base", "targets": dict(TARGETS),
+            "plain": {"controlnet": {"ready": 5.2, "exit": 5.6, "weights": "1234"},
+                      "lm": {"ready": 3.1, "exit": 3.5, "weights": "5678"}},
+            "stops": {stop: {"restore_seconds": seconds, "restore": restore, "cold_fill_seconds": 4.0,
+                             "cold_fill": restore, "restore_over_cold_fill": seconds / 4.0,
+                             "next": {"controlnet/run": after(0.7, 5.6), "controlnet/patched": after(4.9, 5.6),
+                                      "lm/run": after(0.35, 3.5), "lm/patched": after(3.0, 3.5)}}
+                      for stop, seconds in (("shutdown", 4.2), ("sigkill", 4.6))},
+            "client_during_restore": {"pairs": 3, "client": "controlnet", "restored_bytes": 5_700_000_000,
+                                      "exit_seconds": {"restoring": [6.0, 6.1, 5.9], "nothing": [5.8, 5.7, 5.9]},
+                                      "restore_states": {"restoring": ["restoring"] * 3, "nothing": ["none"] * 3},
+                                      "median_seconds": {"restoring": 6.0, "nothing": 5.8}, "ratio": 6.0 / 5.8}}
+
+
+def _pressure_results() -> dict:
+    """What pressure.run() fills in: a 20 GiB job beside no server and beside a 5.4 GiB cache
+    that let go of everything and came back; the targets as check_targets() makes them."""
+    from overmind.bench.pressure import GiB, MiB, check_targets
+
+    def job(got: int, lowest: int, grow: float, **more) -> dict:
+        return {"got": got, "target": 20 * GiB, "min_available": lowest, "stopped_early": None, "grow_seconds": grow,
+                "seconds": grow + 5.0, "wall_seconds": grow + 5.3, "returncode": 0, "killed_by_signal": None, **more}
+
+    results = {"scenario": "memory_pressure", "scale": "base", "margin_bytes": 3 * GiB, "hold": 5.0, "pairs": 3,
+               "ram": 31 * GiB, "swap": 0, "available_before": 23 * GiB, "target_bytes": 20 * GiB,
+               "job_alone": job(20 * GiB, 2900 * MiB, 9.8),
+               "cache": {"entries": 9, "used": 5_800_000_000, "interpreters": 2, "interpreters_pss": 900_000_000,
+                         "available": 16 * GiB, "file_segments_bytes": 0, "memory": {}, "settled_seconds": 3.2},
+               "job_beside_cache": job(20 * GiB, 1200 * MiB, 14.1, server_alive=True, oom_kills=0,
+                                       min_available_while_cache_held=1100 * MiB, used_before=5_800_000_000,
+                                       used_min=0, used_first_drop_seconds=6.1, used_empty_seconds=8.4,
+                                       status_errors=0, memory_before=None, events_seen=[],
+                                       first_event_after_job_start=5.9, let_go_seconds=2.5, timeline=[],
+                                       memory_after={}),
+               "warm_again": {"seconds": 21.4, "entries": 9, "used": 5_800_000_000, "interpreters": 2,
+                              "comeback": {"pending": 0}},
+               "runs": {"controlnet": {"run": [], "plain": []}, "median_exit": {"run": 0.7, "plain": 5.5},
+                        "patched": {}, "next_run_exit": 0.82, "plain_before": [], "plain_before_median": 5.6,
+                        "run_over_plain": 0.82 / 5.6, "median_run_over_plain_after": 0.127, "weights_equal": True},
+               "server_log": "/tmp/om-bench-pressure-1.log"}
+    results["targets"] = check_targets(results)
+    return results
+
+
+ALONE_RESULTS = {"compiled": _compiled_results, "restart": _restart_results, "memory_pressure": _pressure_results}
+
+
+def _alone_doc(name: str, results: dict, raises: Optional[Exception] = None) -> dict:
+    """The document overmind-bench --scenarios NAME --json writes, as its runner filled ``results``."""
+    def run(into: dict) -> None:
+        into.update(results)
+        if raises is not None:
+            raise raises
+
+    doc = alone.measure(name, run, argv=["overmind-bench", "--scenarios", name, "--json", f"{name}.json"],
+                        about="A test run.")
+    return json.loads(json.dumps(doc))
+
+
+def test_a_scenario_that_runs_alone_is_a_document_with_its_results_under_its_own_key(capsys):
+    for name, results in ALONE_RESULTS.items():
+        doc = _alone_doc(name, results())
+        report.validate(doc)
+        assert doc[name] == {"status": "ok", "reason": None, **results()}
+        assert [doc[other] for other in report.ALONE if other != name] == [None, None]
+        assert (doc["scenarios"], doc["memory"], doc["startup"], doc["whole_process"]) == ([], [], None, None)
+        assert doc["command"] == ["overmind-bench", "--scenarios", name, "--json", f"{name}.json"]
+    # A run that raised is a failed one, with what it had measured.
+    partial = {"scale": "base", "targets": {"run_over_plain": 0.15}, "plain": {}, "stops": {}}
+    doc = _alone_doc("restart", partial, raises=RuntimeError("overmind-server did not start"))
+    assert (doc["restart"]["status"], doc["restart"]["reason"]) == ("failed",
+                                                                     "RuntimeError: overmind-server did not start")
+    assert "overmind-server did not start" in capsys.readouterr().err  # its traceback
+    # Every other run's document says null, and files older than these keys have none.
+    plain = _page_doc(Plan(scenarios=[SCENARIOS["lm"]], memory_cases=[]))
+    assert [plain[name] for name in report.ALONE] == [None, None, None]
+    for name in report.ALONE:
+        del plain[name]
+    report.validate(plain)
+
+
+def test_validate_checks_the_figures_of_a_scenario_that_ran_to_the_end():
+    good = {name: _alone_doc(name, results()) for name, results in ALONE_RESULTS.items()}
+    for name, mutate, where in [
+        ("compiled", lambda e: e["scripts"]["aoti_block"].pop("ratio"), "$.compiled.scripts.aoti_block: missing"),
+        ("restart", lambda e: e["stops"]["sigkill"]["next"]["lm/run"].update(over_plain=None),
+         "$.restart.stops.sigkill.next.lm/run.over_plain"),
+        ("restart", lambda e: e["client_during_restore"].pop("ratio"), "$.restart.client_during_restore: missing"),
+        ("memory_pressure", lambda e: e.update(status="fine"), "$.memory_pressure.status"),
+        ("memory_pressure", lambda e: e["job_beside_cache"].update(server_alive=None),
+         "$.memory_pressure.job_beside_cache.server_alive"),
+        ("memory_pressure", lambda e: e["targets"]["oom_kills"].update(**{"pass": "n/a"}),
+         "$.memory_pressure.targets.oom_kills.pass"),
+    ]:
+        doc = copy.deepcopy(good[name])
+        mutate(doc[name])
+        with pytest.raises(ValueError, match=re.escape(where)):
+            report.validate(doc)
+    # What may be missing: the restore pairs (--contention-pairs 0), the stops (--stop none), and
+    # what comes after the job when the server died beside it; a failed run's figures.
+    for name, keys in (("restart", ("client_during_restore", "stops", "plain")),
+                       ("memory_pressure", ("warm_again", "runs"))):
+        doc = copy.deepcopy(good[name])
+        for key in keys:
+            del doc[name][key]
+        report.validate(doc)
+    doc = copy.deepcopy(good["compiled"])
+    doc["compiled"].update(status="failed", reason="warm runs hung", scripts={}, package_s=None)
+    report.validate(doc)
+
+
+@pytest.mark.parametrize("name", list(ALONE_RESULTS))
+def test_overmind_bench_writes_the_document_of_a_scenario_that_runs_alone(name, tmp_path, monkeypatch, capsys):
+    """overmind-bench --scenarios NAME --json FILE hands NAME to its runner, in this process, and
+    FILE is what --report renders; nothing is measured here (each runner's work is replaced)."""
+    from overmind.bench import compiled, pressure, restart
+
+    results = ALONE_RESULTS[name]()
+    if name == "compiled":
+        monkeypatch.setattr(compiled, "run_scenario", lambda pairs, hang_runs, **kw:
+                            kw["results"].update(copy.deepcopy(results)))
+    elif name == "restart":
+        during = results.pop("client_during_restore")
+        monkeypatch.setattr(restart, "run", lambda scale, stops, say, into: into.update(copy.deepcopy(results)))
+        monkeypatch.setattr(restart, "client_during_restore", lambda scale, pairs, say: during)
+    else:
+        monkeypatch.setattr(pressure, "run", lambda scale, margin, hold, pairs, say, into:
+                            into.update(copy.deepcopy(results)))
+    out = tmp_path / f"{name}.json"
+    argv = ["--scenarios", name, "--json", str(out), "--about", "Wired."]
+    assert cli.main(argv) == cli.EXIT_OK
+    [loaded] = page.load([str(out)])  # validated
+    assert (loaded.doc["command"], loaded.doc["about"]) == (["overmind-bench", *argv], "Wired.")
+    assert loaded.doc[name]["status"] == "ok" and page.SECTIONS[name].has(loaded.doc)
+    text = page.render([loaded], "x")
+    assert "What it means: no figure" not in text and f"`overmind-bench --scenarios {name} --json" in text
+
+
+def test_a_hang_fails_the_compiled_scenario(tmp_path, monkeypatch, capsys):
+    from overmind.bench import compiled
+
+    results = _compiled_results()
+    results["scripts"]["compile_block"]["hung"] = 2
+    monkeypatch.setattr(compiled, "run_scenario", lambda pairs, hang_runs, **kw: kw["results"].update(results))
+    out = tmp_path / "compiled.json"
+    assert cli.main(["--scenarios", "compiled", "--json", str(out)]) == cli.EXIT_FAILED
+    entry = json.loads(out.read_text())["compiled"]
+    assert (entry["status"], entry["reason"]) == ("failed", "warm runs hung (compile_block: 2 of 10)")
+
+
+def _alone_page(name: str, results: dict, raises: Optional[Exception] = None) -> str:
+    text = page.render([page.Result(f"out/{name}.json", _alone_doc(name, results, raises))], "x", "out/page.md")
+    return " ".join(text.split())
+
+
+def test_the_page_renders_a_compiled_result():
+    flat = _alone_page("compiled", _compiled_results())
+    assert "### [compiled.json](compiled.json) A test run. - Command: `overmind-bench --scenarios compiled --json " \
+           "compiled.json` - Measured " in flat
+    assert "- Settings: device cpu, shmem_enabled" in flat  # its block has no scale
+    assert "Compiling the block cold took 41.2 s, packaging it 55.0 s." in flat
+    assert "| `torch.compile(model)(x)` | 9.10 / 2.40 / 2.30 / 2.30 / 2.20 | 6.10 (6.00-6.30) | 2.30 (2.20-2.40) | " \
+           "0.38 | 0 of 10 |" in flat
+    assert "| `aoti_load_package(block.pt2)(x)` | 3.50 / 0.60 / 0.50 / 0.50 / 0.50 | 3.00 (2.90-3.10) | " \
+           "0.50 (0.50-0.60) | 0.17 | 0 of 10 |" in flat
+    assert "What it means: with Inductor's caches warm, a warm `overmind run` took plain python's time 0.38 x for " \
+           "the `torch.compile` script (2.30 s against 6.10 s), 0.17 x for the AOTInductor package (0.50 s against " \
+           "3.00 s)." in flat
+    assert "No results yet" not in flat.split("## Warm after a restart")[0].split("## Compiled code")[1]
+
+
+def test_the_page_renders_a_restart_result():
+    flat = _alone_page("restart", _restart_results())
+    assert "- Settings: scale base, device cpu" in flat
+    assert "its exit and that over plain python's (controlnet 5.60 s, lm 3.50 s, median of 2)" in flat
+    assert "| `overmind shutdown` | 4.20 | 4.00 | 1.05 | 0.70 s (0.12 x) | 4.90 s (0.88 x) | 0.35 s (0.10 x) | " \
+           "3.00 s (0.86 x) |" in flat
+    assert "| SIGKILL | 4.60 | 4.00 | 1.15 |" in flat
+    assert "| a restore of 5.70 GB of other entries | 6.00 | 1.03 | | nothing to restore | 5.80 | 1.00 |" in flat
+    assert "What it means: after `overmind shutdown` the server was ready again in 4.2 s (1.05 x a cold fill) and " \
+           "the next `overmind run` of each script took 0.10-0.12 x plain python; after SIGKILL the server was ready " \
+           "again in 4.6 s (1.15 x a cold fill) and the next `overmind run` of each script took 0.10-0.12 x plain " \
+           "python; a script loading other models beside a restore took 1.03 x its time beside none." in flat
+    # A next run whose weights were not plain's says so, in its cell and in the conclusion.
+    results = _restart_results()
+    results["stops"]["sigkill"]["next"]["lm/patched"]["weights_equal"] = False
+    flat = _alone_page("restart", results)
+    assert "| 3.00 s (0.86 x), weights differ |" in flat and "but a next run's weights differed from plain's" in flat
+
+
+def test_the_page_renders_a_memory_pressure_result():
+    flat = _alone_page("memory_pressure", _pressure_results())
+    assert "A job that takes 20.00 GiB (MemAvailable with no server of ours, 23.00 GiB, less 3.00 GiB)" in flat
+    assert "(9 entries, 5.40 GiB)" in flat
+    assert "| no server | 20.00 GiB | 100% | 9.8 | 2.83 GiB | no | 0 |" in flat
+    assert "| the full cache | 20.00 GiB | 100% | 14.1 | 1.17 GiB | no | 0 |" in flat
+    assert "| 5.40 GiB | 5.9 | 2.5 | 0.00 GiB | 8.4 | 21.4 | 0.82 s (0.15 x) | 5.60 |" in flat
+    assert "| lowest MemAvailable while the cache held anything | 1.07 GiB | >= 0.50 GiB | pass |" in flat
+    assert "| the next `overmind run` over plain python | 0.146 | <= 0.15 | pass |" in flat
+    assert "What it means: beside a full cache of 5.40 GiB the job got 100% of what it got beside no server " \
+           "(20.00 GiB against 20.00 GiB); the cache was warm again 21 s after the job exited, and the next " \
+           "`overmind run` took 0.15 x plain python." in flat
+    # The job short of what it got alone, and the server dead beside it: a figure, and the targets it missed.
+    from overmind.bench.pressure import GiB, check_targets
+
+    results = _pressure_results()
+    results["job_beside_cache"].update(got=15 * GiB, server_alive=False, returncode=None, killed_by_signal=9)
+    del results["warm_again"], results["runs"]
+    results["targets"] = check_targets(results)
+    flat = _alone_page("memory_pressure", results)
+    assert "| the full cache | 15.00 GiB | 75% | 14.1 | 1.17 GiB | no | killed by signal 9 |" in flat
+    assert "| the server alive after it | no | == yes | **fail** |" in flat
+    assert "What it means: beside a full cache of 5.40 GiB the job got 75% of what it got beside no server " \
+           "(15.00 GiB against 20.00 GiB), and the server did not survive it (targets missed: what the job got, " \
+           "over its target; the job's exit status; the server alive after it; warm again after the job exited " \
+           "(s); the next `overmind run` over plain python; every run's weights equal plain's)." in flat
+
+
+def test_a_failed_run_of_a_scenario_that_runs_alone_says_so_and_draws_no_conclusion(capsys):
+    compiled = _compiled_results()
+    del compiled["scripts"]["aoti_block"]
+    partial = {"compiled": compiled,
+               "restart": {"scale": "base", "targets": _restart_results()["targets"], "plain": {}, "stops": {}},
+               "memory_pressure": {k: v for k, v in _pressure_results().items()
+                                   if k in ("scale", "margin_bytes", "hold", "pairs", "job_alone")}}
+    for name, results in partial.items():
+        flat = _alone_page(name, results, raises=RuntimeError("overmind-server did not start\nat line 3"))
+        section = flat.split(f"### [{name}.json]")[1].split(" ## ")[0]
+        assert "**failed**: RuntimeError: overmind-server did not start" in section and "at line 3" not in section
+        assert section.endswith("What it means: no figure: this run failed."), section
+    # What it had measured is still shown.
+    assert "| `torch.compile(model)(x)` | 9.10 /" in _alone_page("compiled", compiled, raises=RuntimeError("x"))
+    assert "| no server | 20.00 GiB | - | 9.8 |" in _alone_page("memory_pressure", partial["memory_pressure"],
+                                                                raises=RuntimeError("x"))

@@ -25,7 +25,8 @@ cache folder (``--cache-dir``, default ``~/.cache/overmind-bench``). Scenarios:
   ``torch.compile`` and an AOTInductor script under ``overmind run`` (:mod:`overmind.bench.compiled`),
   how warm a restarted server is, and how much its restore slows a client (:mod:`overmind.bench.restart`),
   and whether a full cache gives way to a job that needs the memory, and how soon it is warm
-  again (:mod:`overmind.bench.pressure`).
+  again (:mod:`overmind.bench.pressure`). Their ``--json`` is the same document, with their
+  results under a key of their own (:mod:`overmind.bench.alone`).
 
 Each load of the load scenarios runs in a fresh process in three modes: plain
 (``OVERMIND_DISABLE=1``), overmind cold (after evicting the cache) and overmind warm; with
@@ -316,18 +317,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.output:
         print("overmind-bench: --output goes with --report", file=sys.stderr)
         return EXIT_USAGE
-    if (args.scenarios or "").strip() == "compiled":  # its own runner: overmind.bench.compiled
-        from overmind.bench import compiled
+    alone = (args.scenarios or "").strip()
+    if alone in ("compiled", "restart", "memory_pressure"):  # each its own runner, in this process
+        from overmind.bench import compiled, pressure, restart
 
-        return compiled.main(argv)
-    if (args.scenarios or "").strip() == "restart":  # its own runner: overmind.bench.restart
-        from overmind.bench import restart
-
-        return restart.main(argv)
-    if (args.scenarios or "").strip() == "memory_pressure":  # its own runner: overmind.bench.pressure
-        from overmind.bench import pressure
-
-        return pressure.main(argv)
+        runner = {"compiled": compiled, "restart": restart, "memory_pressure": pressure}[alone]
+        return runner.main(argv, command=["overmind-bench", *argv])  # overmind.bench.alone
     started = time.monotonic()
     try:
         plan, extra = make_plan(args)

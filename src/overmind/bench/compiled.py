@@ -20,11 +20,12 @@ plain ``python`` and ``overmind run``, alternating, each the wall time of the pr
 shell sees it; medians and their ratio. Every run's printed output must equal plain's.
 ``--hang-runs N`` then makes N more warm runs of each back to back, each bounded in time: a
 hang (Note [No thread pool before a fork] in overmind.warm.compiled) fails the scenario.
+``--json FILE``: overmind-bench's document with the results under ``compiled``
+(:mod:`overmind.bench.alone`), which ``overmind-bench --report`` renders.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from overmind.bench.harness import BenchServer
 
@@ -109,11 +111,12 @@ def _timed(argv: list, env: dict, cwd: Path, timeout: float = RUN_TIMEOUT) -> tu
     return wall, lines[-1] if lines else ""
 
 
-def run_scenario(pairs: int = 5, hang_runs: int = 0, say=print) -> dict:
-    """Both scripts; the results as a dict (see the module docstring)."""
+def run_scenario(pairs: int = 5, hang_runs: int = 0, say=print, results: Optional[dict] = None) -> dict:
+    """Both scripts; the results (see the module docstring), filled into ``results`` as it goes."""
     overmind = str(Path(sys.executable).parent / "overmind")
     base = {k: v for k, v in os.environ.items() if not k.startswith("OVERMIND_")}
-    results: dict = {"config": CONFIG, "python": sys.executable, "scripts": {}}
+    results = {} if results is None else results
+    results.update(config=CONFIG, python=sys.executable, scripts={})
     with tempfile.TemporaryDirectory(prefix="om-bench-compiled-", dir="/tmp") as tmp:
         folder = Path(tmp)
         paths = _write(folder)
@@ -180,23 +183,39 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list | None = None) -> int:
+def main(argv: Optional[list] = None, command: Optional[list] = None) -> int:
+    """``command``: the command as the document gives it (overmind-bench's, when it runs this)."""
     import argparse
+
+    from overmind.bench import alone
 
     parser = argparse.ArgumentParser(prog="overmind-bench --scenarios compiled")
     parser.add_argument("--scenarios", default="compiled")
     parser.add_argument("--whole-runs", type=int, default=5, help="pairs of plain and overmind run (default 5)")
     parser.add_argument("--hang-runs", type=int, default=0, help="back-to-back warm runs checked for hangs")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--about", metavar="TEXT", help="what the run is, said in its document")
     args, _ = parser.parse_known_args(argv)
     started = time.monotonic()
-    results = run_scenario(args.whole_runs, args.hang_runs,
-                           say=lambda line: print(f"[{time.monotonic() - started:6.1f} s] {line}", file=sys.stderr,
-                                                  flush=True))
+
+    def measure(results: dict) -> None:
+        run_scenario(args.whole_runs, args.hang_runs, results=results,
+                     say=lambda line: print(f"[{time.monotonic() - started:6.1f} s] {line}", file=sys.stderr,
+                                            flush=True))
+        hung = [f"{name}: {e['hung']} of {e['hang_runs']}" for name, e in results["scripts"].items() if e["hung"]]
+        if hung:
+            results.update(status="failed", reason=f"warm runs hung ({'; '.join(hung)})")
+
+    doc = alone.measure("compiled", measure, argv=command or alone.command("overmind.bench.compiled", argv),
+                        about=args.about)
+    results = doc["compiled"]
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    print(table(results))
-    return 0 if all(e["hung"] == 0 for e in results["scripts"].values()) else 1
+        alone.write(doc, args.json)
+    if results.get("scripts"):
+        print(table(results))
+    if results["status"] != "ok":
+        print(f"compiled: failed: {results['reason']}", file=sys.stderr)
+    return 0 if results["status"] == "ok" else 1
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ The template is Markdown with lines of their own that the page replaces: ``{{gen
 exact command that made them, the date, the machine (cores, memory, platform, Python and the
 library versions), the overmind version and the settings; its tables; and a sentence of what
 the figures mean for a user. A kind no file has results for says so and gives the command that
-makes them. Nothing here measures or reads the clock: the same files and template give the
+makes them. The scenarios that run alone have their sections in :mod:`overmind.bench.page_alone`.
+Nothing here measures or reads the clock: the same files and template give the
 same bytes, which ``tests/unit/test_bench_report.py`` checks against the committed page.
 """
 
@@ -21,11 +22,12 @@ import os
 import re
 import shlex
 import sys
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from overmind.bench import page_alone
+from overmind.bench.page_parts import Result, first_line, ratio, spread, status_lines, table, wrap
 from overmind.bench.report import MODE_LABELS, _gb, _s, validate
 from overmind.bench.scenarios import LOAD_SCENARIOS
 
@@ -42,17 +44,6 @@ WHOLE_LABELS = {"plain": "`python`", "patched": "`python` + `monkey_patch_all()`
 WHOLE_PHRASES = {"patched": "with `monkey_patch_all()`", "run": "with `overmind run`",
                  "first_run": "with the first `overmind run` of a new context"}
 NAMED_LOADS = tuple(n for n in LOAD_SCENARIOS if n != "custom")
-WIDTH = 96
-
-
-@dataclass(frozen=True)
-class Result:
-    """One results file: ``label`` is its path as the command names it, ``doc`` its JSON."""
-
-    label: str
-    doc: dict
-
-
 def load(paths: list[str]) -> list[Result]:
     """The results files, validated against overmind.bench.report's schema; ValueError names
     the file that is not one."""
@@ -82,38 +73,6 @@ def command_line(paths: list[str], output: Optional[str]) -> str:
 # -- pieces ------------------------------------------------------------------------------------
 
 
-def _wrap(text: str, first: str = "", rest: str = "") -> list[str]:
-    """Running text in lines of the manual's width, never breaking a `code span` (tables and
-    headings are never wrapped)."""
-    held = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\0"), text)
-    lines = textwrap.wrap(held, WIDTH, initial_indent=first, subsequent_indent=rest, break_long_words=False,
-                          break_on_hyphens=False)
-    return [line.replace("\0", " ") for line in lines]
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def _table(rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(_cell(c) for c in rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    return lines + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows[1:]]
-
-
-def _x(value: Optional[float], digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _range(values: list[float], digits: int = 2) -> str:
-    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
-    return lo if lo == hi else f"{lo}-{hi}"
-
-
-def _first_line(text: Optional[str]) -> str:
-    text = (text or "").strip()
-    return text.splitlines()[0] if text else "no reason given"
-
-
 def _link(result: Result, output: Optional[str]) -> str:
     target = os.path.relpath(result.label, os.path.dirname(output) or ".") if output else result.label
     return f"[{os.path.basename(result.label)}]({target})"
@@ -130,8 +89,8 @@ def _machine(doc: dict) -> str:
 def _settings(doc: dict) -> str:
     s = doc["settings"]
     imports = s.get("imports") or []
-    parts = [f"scale {s['scale']}" + (" (--quick)" if s["quick"] else ""), f"device {s['device']}",
-             f"shmem_enabled {s['shmem_enabled'] or 'unknown'}"]
+    scale = [] if doc.get("compiled") else [f"scale {s['scale']}" + (" (--quick)" if s["quick"] else "")]
+    parts = [*scale, f"device {s['device']}", f"shmem_enabled {s['shmem_enabled'] or 'unknown'}"]
     if imports:
         parts.append(f"the scripts import {', '.join(imports)} after torch")
     return ", ".join(parts)
@@ -142,19 +101,13 @@ def provenance(result: Result, output: Optional[str]) -> list[str]:
     doc = result.doc
     lines = [f"### {_link(result, output)}", ""]
     if doc.get("about"):
-        lines += [*_wrap(doc["about"]), ""]
+        lines += [*wrap(doc["about"]), ""]
     took = f"{doc['wall_s'] / 60:.0f} min" if doc["wall_s"] >= 60 else f"{doc['wall_s']:.0f} s"
     for item in (f"Command: `{shlex.join(doc['command'])}`",
                  f"Measured {doc['created'][:10]} with overmind {doc['overmind_version']}, in {took}",
                  f"Machine: {_machine(doc)}", f"Settings: {_settings(doc)}"):
-        lines += _wrap(item, "- ", "  ")
+        lines += wrap(item, "- ", "  ")
     return lines + [""]
-
-
-def _status(item: dict) -> list[str]:
-    return [] if item["status"] == "ok" else [*_wrap(f"**{item['status']}**: {_first_line(item['reason'])}"), ""]
-
-
 # -- the warm-up curve -------------------------------------------------------------------------
 
 
@@ -174,20 +127,20 @@ def curve_section(result: Result) -> list[str]:
     curve, out = result.doc["warmup_curve"], []
     drop = {"posix_fadvise": "the model's files evicted before every run",
             "drop_caches": "the whole page cache dropped before every run"}
-    out += _wrap(f"Runs 1-5 back to back from a fresh server, then one after a restart, each over plain python's "
+    out += wrap(f"Runs 1-5 back to back from a fresh server, then one after a restart, each over plain python's "
                  f"median in the same round; median of {curve['rounds']} rounds. Forked and hits: over runs 2-5 "
                  "and the restart, every round.")
     for sc in curve["scripts"]:
         state = "warm" if sc["page_cache"] == "warm" else drop.get(curve["drop"] or "", "cold")
         plain = f", plain python {sc['plain']['median']:.1f} s" if sc["plain"] else ""
-        out += ["", *_wrap(f"**{sc['name']}** (`{sc['command']}`: {sc['title']}; page cache {state}{plain})"), ""]
-        out += _status(sc)
+        out += ["", *wrap(f"**{sc['name']}** (`{sc['command']}`: {sc['title']}; page cache {state}{plain})"), ""]
+        out += status_lines(sc)
         rows = [["mode", "1", "2", "3", "4", "5", "after a restart", "forked", "loads that hit"]]
         for m in sc["modes"]:
-            rows.append([CURVE_LABELS[m["mode"]], *(_x(r["x_plain"]) for r in m["runs"]), *_hits(m)])
+            rows.append([CURVE_LABELS[m["mode"]], *(ratio(r["x_plain"]) for r in m["runs"]), *_hits(m)])
         if len(rows) > 1:
-            out += _table(rows) + [""]
-        out += _wrap("What it means: " + curve_meaning(sc))
+            out += table(rows) + [""]
+        out += wrap("What it means: " + curve_meaning(sc))
     return out
 
 
@@ -196,12 +149,12 @@ def curve_meaning(sc: dict) -> str:
     if sc["status"] != "ok" or not done or not sc["plain"]:
         return f"no figure: this curve {sc['status'] if sc['status'] != 'ok' else 'has no runs'}."
     firsts = [r["x_plain"] for m in sc["modes"] for r in m["runs"] if r["run"] == "1" and r["x_plain"] is not None]
-    first = f"run 1, which fills the cache, took {_range(firsts)} x plain python; " if firsts else ""
+    first = f"run 1, which fills the cache, took {spread(firsts)} x plain python; " if firsts else ""
     parts = []
     for m in sorted(done, key=lambda m: list(CURVE_PHRASES).index(m["mode"])):
         after = [r for r in _after_first(m) if r["x_plain"] is not None]
         seconds = [r["wall"]["median"] for r in after if r["wall"]]
-        parts.append(f"{_range([r['x_plain'] for r in after])} x" + (f" ({_range(seconds, 1)} s)" if seconds else "")
+        parts.append(f"{spread([r['x_plain'] for r in after])} x" + (f" ({spread(seconds, 1)} s)" if seconds else "")
                      + f" {CURVE_PHRASES[m['mode']]}")
     return (f"{first}every run of `{sc['command']}` after it took " + ", ".join(parts)
             + f", against plain python's {sc['plain']['median']:.1f} s.")
@@ -212,22 +165,22 @@ def curve_meaning(sc: dict) -> str:
 
 def whole_section(result: Result) -> list[str]:
     whole, out = result.doc["whole_process"], []
-    out += _wrap(f"Seconds from the shell's start of the process to its model ready, to every weight used and to "
+    out += wrap(f"Seconds from the shell's start of the process to its model ready, to every weight used and to "
                  f"its exit, median of {whole['runs']} runs (exit's min-max in brackets); x plain: exit over "
                  "plain python's, same page cache state.")
     for sc in whole["scripts"]:
         size = f", {_gb(sc['tensor_bytes'])} of tensors" if sc["tensor_bytes"] else ""
-        out += ["", *_wrap(f"**{sc['name']}** (`{sc['command']}`: {sc['title']}{size})"), ""]
-        out += _status(sc)
+        out += ["", *wrap(f"**{sc['name']}** (`{sc['command']}`: {sc['title']}{size})"), ""]
+        out += status_lines(sc)
         rows = [["mode", "page cache", "ready", "used", "exit", "x plain"]]
         for r in sc["results"]:
             s, wall = r["summary"], r["summary"]["wall"]
             rows.append([WHOLE_LABELS[r["mode"]], r["page_cache"],
                          *("-" if s[k] is None else _s(s[k]["median"]) for k in ("ready", "used")),
-                         f"{_s(wall['median'])} ({_s(wall['min'])}-{_s(wall['max'])})", _x(r["x_plain"]["wall"], 3)])
+                         f"{_s(wall['median'])} ({_s(wall['min'])}-{_s(wall['max'])})", ratio(r["x_plain"]["wall"], 3)])
         if len(rows) > 1:
-            out += _table(rows) + [""]
-        out += _wrap("What it means: " + whole_meaning(sc))
+            out += table(rows) + [""]
+        out += wrap("What it means: " + whole_meaning(sc))
     return out
 
 
@@ -249,12 +202,12 @@ def whole_meaning(sc: dict) -> str:
 def loads_section(result: Result) -> list[str]:
     doc, out = result.doc, []
     device = doc["settings"]["device"]
-    out += _wrap(f"Seconds per call in a fresh process, libraries imported before the clock; median (min-max) "
+    out += wrap(f"Seconds per call in a fresh process, libraries imported before the clock; median (min-max) "
                  f"of {doc['settings']['runs']} runs, warm: {doc['settings']['warm_runs']}.")
     for sc in doc["scenarios"]:
         size = f", {_gb(sc['tensor_bytes'])} of tensors" if sc["tensor_bytes"] else ""
-        out += ["", *_wrap(f"**{sc['name']}** ({sc['title']}{size})"), ""]
-        out += _status(sc)
+        out += ["", *wrap(f"**{sc['name']}** ({sc['title']}{size})"), ""]
+        out += status_lines(sc)
         rows = [["mode", "page cache", "import", *sc["components"], f"to({device})", "total", "first use",
                  "x plain", "x plain +use"]]
         for r in sc["results"]:
@@ -263,12 +216,12 @@ def loads_section(result: Result) -> list[str]:
                          *(_s(s[c]["median"]) if c in s else "-" for c in sc["components"]),
                          _s(s["to_device"]["median"]),
                          f"{_s(total['median'])} ({_s(total['min'])}-{_s(total['max'])})",
-                         _s(s["first_use"]["median"]), _x(r["x_plain"], 3), _x(r["x_plain_with_first_use"], 3)])
+                         _s(s["first_use"]["median"]), ratio(r["x_plain"], 3), ratio(r["x_plain_with_first_use"], 3)])
         if len(rows) > 1:
-            out += _table(rows) + [""]
+            out += table(rows) + [""]
         if sc["warm_misses"]:
             out += [f"{sc['warm_misses']} warm call(s) missed the cache.", ""]
-        out += _wrap("What it means: " + load_meaning(sc))
+        out += wrap("What it means: " + load_meaning(sc))
     return out
 
 
@@ -288,23 +241,23 @@ def load_meaning(sc: dict) -> str:
 
 def memory_section(result: Result) -> list[str]:
     memory = result.doc["memory"]
-    out = [*_wrap(f"{memory[0]['procs']} processes load and hold the model, every weight touched: the growth of "
+    out = [*wrap(f"{memory[0]['procs']} processes load and hold the model, every weight touched: the growth of "
                   "their summed PSS (plus the server's, for overmind) and of the machine's used memory, and each "
                   "over the tensor bytes."), ""]
     rows = [["model", "tensor bytes", "plain PSS", "overmind PSS", "plain used", "overmind used"]]
     for m in memory:
         if m["status"] != "ok":
-            rows.append([m["scenario"], _gb(m["tensor_bytes"]), f"{m['status']}: {_first_line(m['reason'])}",
+            rows.append([m["scenario"], _gb(m["tensor_bytes"]), f"{m['status']}: {first_line(m['reason'])}",
                          "", "", ""])
             continue
         rows.append([m["scenario"], _gb(m["tensor_bytes"]),
                      *(f"{_gb(h[kind + '_bytes'])} ({h[kind + '_ratio']:.2f} x)" for kind in ("pss", "used")
                        for h in (m["plain"], m["overmind"]))])
-    out += _table(rows) + [""]
+    out += table(rows) + [""]
     sentences = [f"{m['procs']} processes holding `{m['scenario']}` took {m['overmind']['pss_ratio']:.2f} x its "
                  f"bytes through overmind against {m['plain']['pss_ratio']:.2f} x plainly"
                  for m in memory if m["status"] == "ok"]
-    out += _wrap("What it means: " + ("; ".join(sentences) + " (summed PSS)." if sentences
+    out += wrap("What it means: " + ("; ".join(sentences) + " (summed PSS)." if sentences
                                       else "no figure: every case failed."))
     return out
 
@@ -315,7 +268,7 @@ def startup_section(result: Result) -> list[str]:
             f"| `python -c pass` | {st['bare_s']['median'] * 1000:.1f} ms |",
             f"| the same after `import overmind.api; overmind.api.monkey_patch_all()` | "
             f"{st['patched_s']['median'] * 1000:.1f} ms |", "",
-            *_wrap(f"What it means: the one line adds {st['added_s'] * 1000:.1f} ms to an interpreter's start and "
+            *wrap(f"What it means: the one line adds {st['added_s'] * 1000:.1f} ms to an interpreter's start and "
                    "exit.")]
 
 
@@ -324,8 +277,8 @@ def startup_section(result: Result) -> list[str]:
 
 @dataclass(frozen=True)
 class Section:
-    has: Optional[Callable[[dict], bool]]  # None: overmind-bench --report cannot read its results yet
-    render: Optional[Callable[[Result], list[str]]]
+    has: Callable[[dict], bool]  # a document has results of this kind
+    render: Callable[[Result], list[str]]
     make: str  # the command that makes its results
 
 
@@ -343,39 +296,41 @@ SECTIONS: dict[str, Section] = {
                       "--json docs/results/memory.json"),
     "startup": Section(lambda d: d["startup"] is not None, startup_section,
                        "overmind-bench --scenarios startup --json docs/results/startup.json"),
-    "compiled": Section(None, None, "overmind-bench --scenarios compiled"),
-    "restart": Section(None, None, "overmind-bench --scenarios restart"),
-    "memory_pressure": Section(None, None, "overmind-bench --scenarios memory_pressure --scale base"),
+    # The scenarios that run alone (overmind.bench.alone); documents older than their keys have none.
+    "compiled": Section(lambda d: bool(d.get("compiled")), page_alone.compiled_section,
+                        "overmind-bench --scenarios compiled --hang-runs 10 --json docs/results/compiled.json"),
+    "restart": Section(lambda d: bool(d.get("restart")), page_alone.restart_section,
+                       "overmind-bench --scenarios restart --json docs/results/restart.json"),
+    "memory_pressure": Section(lambda d: bool(d.get("memory_pressure")), page_alone.pressure_section,
+                               "overmind-bench --scenarios memory_pressure --scale base "
+                               "--json docs/results/memory-pressure.json"),
 }
 
 
 def results_section(name: str, results: list[Result], output: Optional[str]) -> list[str]:
     section = SECTIONS[name]
-    if section.has is None:
-        return _wrap(f"No results on this page: this scenario's runner prints its own table and JSON, which "
-                     f"`overmind-bench --report` does not read yet. To measure it: `{section.make}`.")
     having = sorted((r for r in results if section.has(r.doc)), key=lambda r: (r.doc["created"], r.label))
     out: list[str] = []
     for result in having:
         out += provenance(result, output) + section.render(result) + [""]
     if not having:
-        out += [*_wrap(f"No results yet: none of the files this page was made from has them. To make them: "
+        out += [*wrap(f"No results yet: none of the files this page was made from has them. To make them: "
                        f"`{section.make}`, then regenerate this page with that file among its results."), ""]
     elif name == "loads":
         missing = [n for n in NAMED_LOADS if not any(sc["name"] == n for r in having for sc in r.doc["scenarios"])]
         if missing:
-            out += [*_wrap(f"No results yet for {', '.join(missing)}: `overmind-bench --scenarios "
+            out += [*wrap(f"No results yet for {', '.join(missing)}: `overmind-bench --scenarios "
                            f"{','.join(missing)} --json docs/results/FILE.json` makes them."), ""]
     return out[:-1] if out and out[-1] == "" else out
 
 
 def generated(results: list[Result], command: str, output: Optional[str]) -> list[str]:
-    out = [*_wrap(f"This page is generated by `{command}` from the manual text in `src/overmind/bench/page.md` "
+    out = [*wrap(f"This page is generated by `{command}` from the manual text in `src/overmind/bench/page.md` "
                   "and the results listed here: do not edit it by hand (a test compares it with what they make). "
                   "Add or replace a result and rerun the command; older results are in git history."), "",
            "| results | scenarios | measured | machine | overmind |", "|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r.doc["created"], r.label)):
-        kinds = [n for n, s in SECTIONS.items() if s.has is not None and s.has(r.doc)]
+        kinds = [n for n, s in SECTIONS.items() if s.has(r.doc)]
         m = r.doc["machine"]
         out.append(f"| {_link(r, output)} | {', '.join(kinds) or 'none'} | {r.doc['created'][:10]} | "
                    f"{m['cpus']} cores, {m['memory_bytes'] / 2**30:.1f} GiB | {r.doc['overmind_version']} |")

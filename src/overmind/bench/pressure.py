@@ -26,9 +26,11 @@ Targets (:data:`TARGETS`): the job got its whole target beside the cache; MemAva
 GiB while the cache held anything; no OOM kill, the job exited 0, the server alive; warm again
 within 60 s; ``overmind run`` <= 0.15 x plain; every run's weights' checksum equal to plain's.
 Each says pass, fail, or null (not measurable here); the exit status is 0 unless the scenario
-failed to run. A table on stderr, one JSON document on stdout (or ``--json FILE``).
-``overmind-bench --scenarios memory_pressure [--scale S] [--margin G] [--hold S] [--pairs N]``
-runs the same. It takes about ``A0`` of RAM for minutes: run it when nothing else runs.
+failed to run. A table on stderr, and on stdout (or in ``--json FILE``) overmind-bench's
+document with the results under ``memory_pressure`` (:mod:`overmind.bench.alone`), which
+``overmind-bench --report`` renders. ``overmind-bench --scenarios memory_pressure [--scale S]
+[--margin G] [--hold S] [--pairs N]`` runs the same. It takes about ``A0`` of RAM for minutes:
+run it when nothing else runs.
 """
 
 from __future__ import annotations
@@ -380,18 +382,21 @@ def _beside_cache(server: "BenchServer", folder: Path, target: int, hold: float,
     results["runs"] = _runs(server, folder, pairs, plain_before)
 
 
-def run(scale: str, margin: float, hold: float, pairs: int, say: Callable[[str], None]) -> dict:
+def run(scale: str, margin: float, hold: float, pairs: int, say: Callable[[str], None],
+        results: Optional[dict] = None) -> dict:
+    """The scenario; its results, filled into ``results`` as it goes (overmind.bench.alone)."""
     from overmind.bench.harness import BenchServer
     from overmind.bench.models import default_cache_dir, generate_in_child
     from overmind.bench.whole import SCRIPTS, script_source
 
+    results = {} if results is None else results
+    results.update(scenario="memory_pressure", scale=scale, margin_bytes=int(margin * GiB), hold=hold, pairs=pairs)
     paths = generate_in_child(default_cache_dir(), scale, sorted({m for n in SCRIPT_NAMES for m in SCRIPTS[n].models}))
     meminfo = read_meminfo()
     a0 = meminfo["MemAvailable"]
     target = max(0, a0 - int(margin * GiB)) // PAGE * PAGE
-    results: dict = {"scenario": "memory_pressure", "scale": scale, "margin_bytes": int(margin * GiB), "hold": hold,
-                     "pairs": pairs, "ram": meminfo.get("MemTotal"), "swap": meminfo.get("SwapTotal"),
-                     "available_before": a0, "target_bytes": target}
+    results.update(ram=meminfo.get("MemTotal"), swap=meminfo.get("SwapTotal"), available_before=a0,
+                   target_bytes=target)
     say(f"MemAvailable {_gib(a0)} with no server of ours: the job's target is {_gib(target)}")
     if target <= 0:
         raise RuntimeError(f"--margin {margin} GiB leaves the job nothing: MemAvailable is {_gib(a0)}")
@@ -466,7 +471,9 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: Optional[list] = None, command: Optional[list] = None) -> int:
+    """``command``: the command as the document gives it (overmind-bench's, when it runs this)."""
+    from overmind.bench import alone
     from overmind.bench.models import SCALES
 
     parser = argparse.ArgumentParser(prog="python -m overmind.bench.pressure", description=__doc__,
@@ -479,6 +486,7 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--pairs", type=int, default=3, metavar="N",
                         help="pairs of overmind run and plain python after the job (default 3)")
     parser.add_argument("--json", metavar="FILE", help="write the results here (default: stdout)")
+    parser.add_argument("--about", metavar="TEXT", help="what the run is, said in its document")
     parser.add_argument("--job", type=int, metavar="BYTES", help=argparse.SUPPRESS)  # the child: job()
     args, _ = parser.parse_known_args(argv)
     if args.job is not None:
@@ -487,17 +495,17 @@ def main(argv: Optional[list] = None) -> int:
         parser.error("--pairs must be at least 1; --hold and --margin must not be negative")
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        results = run(args.scale, args.margin, args.hold, args.pairs, say)
+        doc = alone.measure("memory_pressure", lambda results: run(args.scale, args.margin, args.hold, args.pairs,
+                                                                   say, results),
+                            argv=command or alone.command("overmind.bench.pressure", argv), scale=args.scale,
+                            about=args.about)
     except KeyboardInterrupt:
         say("interrupted")
         return 130
-    say(table(results))
-    text = json.dumps(results, indent=1, sort_keys=True)
-    if args.json:
-        Path(args.json).write_text(text)
-    else:
-        print(text)
-    return 0
+    results = doc["memory_pressure"]
+    say(table(results) if results["status"] == "ok" else f"memory_pressure failed: {results['reason']}")
+    alone.write(doc, args.json)
+    return 0 if results["status"] == "ok" else 1
 
 
 if __name__ == "__main__":

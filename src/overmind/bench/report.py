@@ -68,7 +68,34 @@ Times are seconds, sizes bytes; a summary is ``{"median", "min", "max", "n"}`` o
                                    "runs": [{"wall": float, "ready": float|null, "used": float|null,
                                              "sum": int|null, "hits": int, "misses": int,
                                              "plain_loads": int, "forked": bool, "fallback": bool}],
-                                   "wall": summary|null, "x_plain": float|null}]}]}]}
+                                   "wall": summary|null, "x_plain": float|null}]}]}]},
+      # The scenarios that run alone, each its runner's results (docstrings of overmind.bench.compiled,
+      # .restart and .pressure) plus "status": "ok"|"failed" and "reason": str|null; a failed run
+      # keeps what it had measured. Null when not run, absent in files older than these keys.
+      "compiled": null | {"status", "reason", "config": {str: int}, "compile_cold_s": float,
+          "package_s": float,
+          "scripts": {"compile_block"|"aoti_block": {"curve_s": [float],   # overmind run, runs 1-5
+              "plain_s": [float], "run_s": [float], "plain_median_s": float, "run_median_s": float,
+              "ratio": float, "hang_runs": int, "hung": int}}},
+      "restart": null | {"status", "reason", "scale": str, "targets": {str: float},
+          "plain": {script: {"ready": float, "exit": float, ...}},    # absent with --stop none
+          "stops": {"shutdown"|"sigkill": {"restore_seconds": float, "cold_fill_seconds": float,
+              "restore_over_cold_fill": float, "restore": {...}, "cold_fill": {...},
+              "next": {"SCRIPT/run"|"SCRIPT/patched": {"ready": float, "exit": float,
+                                                       "over_plain": float, "weights_equal": bool}}}},
+          "client_during_restore": {"pairs": int, "client": str, "restored_bytes": int,   # absent
+              "median_seconds": {"restoring": float, "nothing": float}, "ratio": float, ...}},  # with 0 pairs
+      "memory_pressure": null | {"status", "reason", "scale": str, "margin_bytes": int, "hold": float,
+          "pairs": int, "ram": int, "swap": int, "available_before": int, "target_bytes": int,
+          "job_alone": job, "job_beside_cache": job + {"server_alive": bool, "oom_kills": int|null,
+              "min_available_while_cache_held": int|null, "used_before": int|null, "used_min": int|null,
+              "used_empty_seconds": float|null, "first_event_after_job_start": float|null,
+              "let_go_seconds": float|null, ...},
+          "cache": {"entries": int|null, "used": int|null, ...},
+          "warm_again": {"seconds": float|null, ...},     # these two absent when the server died
+          "runs": {"next_run_exit": float, "plain_before_median": float, "run_over_plain": float,
+                   "weights_equal": bool, ...},
+          "targets": {name: {"value": any, "op": str, "target": any, "pass": bool|null}}}
     }
 
 where ``holding`` is ``{"pss_bytes": int, "used_bytes": int, "pss_ratio": float,
@@ -85,7 +112,10 @@ each median by plain's, same page cache state. In ``warmup_curve``, one entry pe
 the curve's run ``run`` (1 to 5 back to back from a fresh server and an empty cache,
 ``restart`` after the server was restarted); ``sum``: the bytes the script read from its
 weights (one per page), equal to plain's in every run; ``x_plain``: the median exit over
-plain's median.
+plain's median. In ``memory_pressure``, ``job`` is ``{"got": int, "target": int|null,
+"min_available": int|null, "stopped_early": str|null, "grow_seconds": float|null, "seconds":
+float|null, "wall_seconds": float, "returncode": int|null, "killed_by_signal": int|null}``. The
+document of a scenario that runs alone (:mod:`overmind.bench.alone`) has no other results.
 """
 
 from __future__ import annotations
@@ -97,9 +127,10 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["SCHEMA_VERSION", "PHASES_AFTER", "document", "format_tables", "plot", "validate"]
+__all__ = ["SCHEMA_VERSION", "PHASES_AFTER", "ALONE", "document", "format_tables", "plot", "validate"]
 
 SCHEMA_VERSION = 1
+ALONE = ("compiled", "restart", "memory_pressure")  # scenarios that run alone, each with its own runner
 PHASES_AFTER = ("to_device", "total", "first_use")  # after a scenario's own components
 MODE_LABELS = {"plain": "plain", "first": "overmind first", "cold": "overmind cold", "warm": "overmind warm"}
 WHOLE_LABELS = {"plain": "python", "patched": "python + monkey_patch_all()", "run": "overmind run",
@@ -125,9 +156,10 @@ def _versions() -> dict:
 def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, wall_s: float,
              cuda_device: Optional[str], argv: list[str], whole: Optional[dict] = None,
              curve: Optional[dict] = None, shmem_enabled: Optional[str] = None,
-             about: Optional[str] = None) -> dict:
+             about: Optional[str] = None, alone: Optional[dict] = None) -> dict:
     """The JSON document of a run (schema in the module docstring). ``shmem_enabled``: the
-    machine's value when the run started; ``about``: ``--about``."""
+    machine's value when the run started; ``about``: ``--about``; ``alone``: name (of
+    :data:`ALONE`) -> the results of a scenario that runs alone."""
     from overmind import __version__
 
     scenarios = []
@@ -189,6 +221,7 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
                     "plain": m.get("plain"), "overmind": m.get("overmind")} for m in results["memory"]],
         "whole_process": None if whole is None else _whole_document(plan, whole),
         "warmup_curve": None if curve is None else _curve_document(plan, curve),
+        **{name: (alone or {}).get(name) for name in ALONE},
     }
 
 
@@ -219,11 +252,12 @@ def validate(doc: dict) -> None:
         if isinstance(kind, dict):
             if not isinstance(value, dict):
                 raise ValueError(f"{where}: expected an object, got {type(value).__name__}")
-            missing = set(kind) - set(value)
+            missing = {k for k in kind if not k.endswith("?")} - set(value)  # "key?": may be absent
             if missing:
                 raise ValueError(f"{where}: missing {sorted(missing)}")
             for key, sub in kind.items():
-                check(value[key], sub, f"{where}.{key}")
+                if key.rstrip("?") in value:
+                    check(value[key.rstrip("?")], sub, f"{where}.{key.rstrip('?')}")
         elif isinstance(kind, list):
             if not isinstance(value, list):
                 raise ValueError(f"{where}: expected a list, got {type(value).__name__}")
@@ -259,6 +293,20 @@ def validate(doc: dict) -> None:
             for name, item in value.items():
                 check(item, kind, f"{where}.{name}")
         return check_phases
+
+    def each(kind):  # an object of any keys, each value a ``kind``
+        def check_each(value, where):
+            check(value, dict, where)
+            for key, item in value.items():
+                check(item, kind, f"{where}.{key}")
+        return check_each
+
+    def ran(kind):  # a scenario that runs alone: its figures when it ran to the end
+        def check_ran(value, where):
+            check(value, {"status": one_of("ok", "failed"), "reason": optional(str)}, where)
+            if value["status"] == "ok":
+                check(value, kind, where)
+        return check_ran
 
     holding = optional({"pss_bytes": int, "used_bytes": int, "pss_ratio": _NUM, "used_ratio": _NUM,
                         "pss_before_bytes": int, "pss_after_bytes": int, "load_s": _SUMMARY})
@@ -312,9 +360,38 @@ def validate(doc: dict) -> None:
                     "overmind": holding}],
         "whole_process": whole,
         "warmup_curve": curve,
+        "about?": optional(str),  # files written before --about have none
+        **{f"{name}?": optional(ran(kind)) for name, kind in _alone_schema(each).items()},
     }
     check(doc, schema, "$")
-    optional(str)(doc.get("about"), "$.about")  # optional: files written before --about have none
+
+
+def _alone_schema(each) -> dict:
+    """What validate checks of the scenarios that run alone, once they ran to the end."""
+    int_, num = (int, type(None)), (int, float, type(None))  # or null
+    job = {"got": int, "target": int_, "min_available": int_, "stopped_early": (str, type(None)),
+           "grow_seconds": num, "wall_seconds": _NUM, "returncode": int_}
+    beside = {**job, "server_alive": bool,
+              **dict.fromkeys(("oom_kills", "min_available_while_cache_held", "used_before", "used_min"), int_),
+              **dict.fromkeys(("used_empty_seconds", "first_event_after_job_start", "let_go_seconds"), num)}
+    return {
+        "compiled": {"config": each(int), "compile_cold_s": _NUM, "package_s": _NUM,
+                     "scripts": each({"curve_s": [_NUM], "plain_s": [_NUM], "run_s": [_NUM], "plain_median_s": _NUM,
+                                      "run_median_s": _NUM, "ratio": _NUM, "hang_runs": int, "hung": int})},
+        "restart": {"scale": str, "targets": each(_NUM), "plain?": each({"ready": _NUM, "exit": _NUM}),
+                    "stops?": each({"restore_seconds": _NUM, "cold_fill_seconds": _NUM, "restore_over_cold_fill": _NUM,
+                                    "next": each({"ready": _NUM, "exit": _NUM, "over_plain": _NUM,
+                                                  "weights_equal": bool})}),
+                    "client_during_restore?": {"pairs": int, "restored_bytes": int, "ratio": _NUM,
+                                               "median_seconds": {"restoring": _NUM, "nothing": _NUM}}},
+        "memory_pressure": {
+            "scale": str, "margin_bytes": int, "hold": _NUM, "pairs": int, "available_before": int,
+            "target_bytes": int, "job_alone": job,
+            "job_beside_cache": beside, "cache": {"entries": int_, "used": int_},
+            "warm_again?": {"seconds": num},  # these two absent when the server died
+            "runs?": {"next_run_exit": _NUM, "plain_before_median": _NUM, "run_over_plain": _NUM,
+                      "weights_equal": bool},
+            "targets": each({"op": str, "pass": (bool, type(None))})}}
 
 
 # -- the terminal table -----------------------------------------------------------------------

@@ -26,8 +26,10 @@ against the same run beside a server started with nothing to restore, in alterna
 restore would.
 
 Times are from the start of the process to its model ready (``ready``) and to its exit, as
-overmind.bench.whole measures them. One JSON document on stdout (or ``--json FILE``).
-``overmind-bench --scenarios restart [--scale S] [--stop S] [--contention-pairs N]`` runs the same.
+overmind.bench.whole measures them. On stdout (or in ``--json FILE``): overmind-bench's document
+with the results under ``restart`` (:mod:`overmind.bench.alone`), which ``overmind-bench --report``
+renders. ``overmind-bench --scenarios restart [--scale S] [--stop S] [--contention-pairs N]`` runs
+the same.
 """
 
 from __future__ import annotations
@@ -115,10 +117,12 @@ def _copies(paths: dict, say) -> dict:
     return out
 
 
-def run(scale: str, stops: list, say) -> dict:
+def run(scale: str, stops: list, say, results: Optional[dict] = None) -> dict:
+    """Restores after each way of stopping in ``stops``; the results, filled into ``results`` as it goes."""
+    results = {} if results is None else results
+    results.update(scale=scale, targets=TARGETS, plain={}, stops={})
     folder = _scripts("om-bench-restart-", _models(scale))
     server = BenchServer.start()
-    results: dict = {"scale": scale, "targets": TARGETS, "plain": {}, "stops": {}}
     try:
         env = server.client_env()
         patched_env = server.client_env({"OVERMIND": "1"})
@@ -224,7 +228,10 @@ def client_during_restore(scale: str, pairs: int, say) -> dict:
             "ratio": medians["restoring"] / medians["nothing"]}
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: Optional[list] = None, command: Optional[list] = None) -> int:
+    """``command``: the command as the document gives it (overmind-bench's, when it runs this)."""
+    from overmind.bench import alone
+
     parser = argparse.ArgumentParser(prog="python -m overmind.bench.restart", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default="restart", help=argparse.SUPPRESS)  # overmind-bench --scenarios restart
@@ -234,20 +241,24 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--contention-pairs", type=int, default=3, metavar="N",
                         help="pairs of the client-during-restore measurement (default 3; 0 skips it)")
     parser.add_argument("--json", metavar="FILE", help="write the results here (default: stdout)")
+    parser.add_argument("--about", metavar="TEXT", help="what the run is, said in its document")
     args, _ = parser.parse_known_args(argv)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     stops = {"both": ["shutdown", "sigkill"], "none": []}.get(args.stop, [args.stop])
-    results = run(args.scale, stops, say) if stops else {"scale": args.scale, "targets": TARGETS}
-    if args.contention_pairs > 0:
-        results["client_during_restore"] = found = client_during_restore(args.scale, args.contention_pairs, say)
-        say(f"client during a restore: {found['ratio']:.3f} x beside nothing to restore "
-            f"(target <= {TARGETS['client_during_restore']})")
-    text = json.dumps(results, indent=1, sort_keys=True)
-    if args.json:
-        Path(args.json).write_text(text)
-    else:
-        print(text)
-    return 0
+
+    def measure(results: dict) -> None:
+        results.update(scale=args.scale, targets=TARGETS)
+        if stops:
+            run(args.scale, stops, say, results)
+        if args.contention_pairs > 0:
+            results["client_during_restore"] = found = client_during_restore(args.scale, args.contention_pairs, say)
+            say(f"client during a restore: {found['ratio']:.3f} x beside nothing to restore "
+                f"(target <= {TARGETS['client_during_restore']})")
+
+    doc = alone.measure("restart", measure, argv=command or alone.command("overmind.bench.restart", argv),
+                        scale=args.scale, about=args.about)
+    alone.write(doc, args.json)
+    return 0 if doc["restart"]["status"] == "ok" else 1
 
 
 if __name__ == "__main__":
