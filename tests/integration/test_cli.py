@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -312,7 +313,7 @@ def test_a_reader_that_left_ends_the_command_quietly_as_unix_tools_do(server, tm
         os.close(write_end)
     assert server.status()["pid"] == server.pid
     # Through a shell, as users type it; the command's output is whole up to where head stopped.
-    proc = subprocess.run(f"{OVERMIND} status | head -c 3", shell=True, env=server.env, capture_output=True,
+    proc = subprocess.run(f"{shlex.quote(OVERMIND)} status | head -c 3", shell=True, env=server.env, capture_output=True,
                           text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0 and proc.stdout == "pid" and proc.stderr == "", proc.stderr
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def test_death_by_a_signal_is_reported_as_a_shell_would(warm_server, tmp_path):
     script = tmp_path / "die.py"
     script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
     assert _warm_run(warm_server, str(script)).returncode == -signal.SIGTERM
-    shell = subprocess.run(["sh", "-c", f"{OVERMIND} run {script}; echo status=$?"], env=warm_server.client_env(),
+    shell = subprocess.run(["sh", "-c", f"{shlex.quote(OVERMIND)} run {shlex.quote(str(script))}; echo status=$?"], env=warm_server.client_env(),
                            capture_output=True, text=True, timeout=60)
     assert shell.stdout.strip() == f"status={128 + signal.SIGTERM}"
 

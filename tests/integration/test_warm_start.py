@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import shlex
 import shutil
 import subprocess
 import sys
@@ -184,7 +185,7 @@ def test_in_a_terminal_ctrl_z_stops_and_ctrl_c_interrupts_the_handed_over_script
     wait_warm(warm_server)
     shell, master = spawn_in_pty(["bash", "--norc", "--noprofile", "-i"], {**warm_server.client_env(), "PS1": "$ "})
     try:
-        os.write(master, f"{sys.executable} {script}\n".encode())
+        os.write(master, f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}\n".encode())
         out = read_until(master, b"True True").decode()
         child = int(out.split("child ", 1)[1].split()[0])
         os.write(master, b"\x1a")  # Ctrl-Z

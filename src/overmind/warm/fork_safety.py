@@ -131,8 +131,9 @@ def _mapped_libraries() -> set[str]:
     """The shared libraries this process maps, by path."""
     found = set()
     with open("/proc/self/maps") as f:
-        for line in f:
-            path = line.rpartition(" ")[2].strip()
+        for line in f:  # address perms offset dev inode path: a path may hold spaces
+            fields = line.split(None, 5)
+            path = fields[5].rstrip("\n") if len(fields) == 6 else ""
             if path.startswith("/") and ".so" in os.path.basename(path):
                 found.add(path)
     return found
