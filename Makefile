@@ -32,8 +32,8 @@ docs: venv
 
 # Each test file whole on one worker (its server and models are built once per file); two
 # workers keep a 2-core machine busy without starving the servers the tests start.
-# `make test` leaves out the tests marked slow (overmind-bench end to end, torch.compile: minutes
-# each); `make test-slow` runs those alone. CI runs both.
+# `make test` leaves out the tests marked slow (a minute or more each: overmind-bench end to end,
+# torch.compile, the heaviest whole-model checks); `make test-slow` runs those alone. CI runs both.
 TEST_WORKERS ?= 2
 PYTEST := HF_HUB_OFFLINE=1 $(PY) -m pytest -q --timeout=600 -n $(TEST_WORKERS) --dist loadfile
 test: venv

@@ -289,6 +289,7 @@ def shmem_setting() -> str | None:
     return text[text.index("[") + 1:text.index("]")]
 
 
+@pytest.mark.slow
 def test_shmem_enabled_option_labels_every_run_with_the_value_it_ran_under_and_leaves_the_machine_as_it_was(
         tmp_path):
     """--shmem-enabled with the machine's own value: the same code path as never,advise on a

@@ -55,6 +55,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 def test_warm_quantized_lm_logits_equal_a_plain_quantized_load(server, models, python):
     code = f"PATH = {str(models['lm'])!r}\nQUANTIZATIONS = {CONFIGS!r}\n" + CLIENT
     strict = server.client_env(OVERMIND_STRICT="1")  # a fallback to a plain load would hide a cache failure

@@ -72,6 +72,7 @@ def _counted(server, argv: list[str]) -> tuple[dict, int, bool]:
     return last_json(proc), after["hits"] - before["hits"], after["runs"] == before["runs"] + 1
 
 
+@pytest.mark.slow
 def test_an_adapter_loaded_by_peft_imported_before_the_patch_is_a_hit(server, models, adapter, tmp_path):
     script = tmp_path / "load_adapter.py"
     script.write_text(LOAD_ADAPTER)

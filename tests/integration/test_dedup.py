@@ -9,6 +9,8 @@ import json
 import shutil
 import textwrap
 
+import pytest
+
 from ..conftest import age_files
 from .conftest import last_json
 
@@ -88,6 +90,7 @@ EDIT_THEN_LOAD_COPY = """
 """
 
 
+@pytest.mark.slow
 def test_writes_into_a_model_reach_no_other_key_with_identical_content(server, models, tmp_path):
     a, b = tmp_path / "unet-a", tmp_path / "unet-b"
     shutil.copytree(models["unet"], a)
@@ -123,6 +126,7 @@ def controlnet_from_unet(path):
 '''
 
 
+@pytest.mark.slow
 def test_controlnet_from_unet_references_the_unets_segments(server, models, tmp_path):
     (tmp_path / "builder.py").write_text(BUILDER)
     unet = str(models["unet"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from ..conftest import age_files, run_python
 from .conftest import last_json
 
@@ -17,6 +19,7 @@ print(json.dumps(float(model.lm_head.weight.double().sum())))
 """
 
 
+@pytest.mark.slow
 def test_switching_refs_main_to_another_snapshot_loads_the_new_weights(server, tmp_path):
     from overmind.modelgen import save_lm
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from .conftest import last_json
 
 SCRIPT = r'''
@@ -30,6 +32,7 @@ print(json.dumps({"logits": hashlib.sha256(logits.float().numpy().tobytes()).hex
 '''
 
 
+@pytest.mark.slow
 def test_a_disk_offloaded_model_loads_plainly_and_silently_and_is_counted_not_cacheable(server, models, tmp_path):
     def run(offload: str, **env: str) -> dict:
         proc = server.run(SCRIPT, env=server.client_env(TEST_MODEL=str(models["lm"]), TEST_OFFLOAD=offload, **env))

@@ -121,6 +121,7 @@ def run_client(server, paths, **env):
     return run_python(code, env=server.client_env(**env), timeout=400)
 
 
+@pytest.mark.slow
 def test_every_patch_point_round_trips_and_warm_loads_hit(server, paths):
     plain = last_json(run_client(server, paths, OVERMIND_DISABLE="1"))
     assert server.status()["misses"] == 0

@@ -94,7 +94,8 @@ print(json.dumps({"results": results, "api": weights(model) == plain["a"]}))
 """
 
 
-@pytest.mark.parametrize("via", ["proc", "scm_rights", "reloaded"])
+@pytest.mark.parametrize("via", ["proc", pytest.param("scm_rights", marks=pytest.mark.slow),
+                                 pytest.param("reloaded", marks=pytest.mark.slow)])
 def test_an_entry_evicted_between_reply_and_open_never_maps_another_models_segments(server, models, twin, via):
     env = server.client_env(OVERMIND_COLD="wait")
     args = repr((str(models["lm"]), str(twin), 3, via))

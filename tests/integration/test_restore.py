@@ -116,7 +116,7 @@ def _fill_and_shut_down(runtime_dir: Path, state_dir: Path, lm: Path) -> float:
     return weights
 
 
-@pytest.mark.parametrize("stop", ["shutdown", "sigkill"])
+@pytest.mark.parametrize("stop", ["shutdown", pytest.param("sigkill", marks=pytest.mark.slow)])
 def test_a_fresh_server_refills_what_the_last_one_served_and_the_next_load_hits(make_server, runtime_dir, state_dir,
                                                                                lm, stop):
     first = make_server(_keeping(state_dir))
@@ -214,7 +214,8 @@ def _kept_copy(kept_state, state_dir: Path) -> Path:
     return runtime_dir
 
 
-@pytest.mark.parametrize("how", ["truncated", "garbage", "foreign version", "other uid", "group-writable dir"])
+@pytest.mark.parametrize("how", ["garbage", *(pytest.param(how, marks=pytest.mark.slow) for how in
+                                              ("truncated", "foreign version", "other uid", "group-writable dir"))])
 def test_a_spoiled_state_is_refused_with_one_line_and_the_server_serves(make_server, state_dir, kept_state, how):
     if how == "other uid" and os.getuid() != 0:
         pytest.skip("chown to another uid needs root")
