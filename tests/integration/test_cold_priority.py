@@ -18,8 +18,15 @@ import time
 import pytest
 import torch
 
+from overmind.shared.process.priority import can_lift_idle
+
 from ..conftest import age_files
 from .conftest import ServerProcess, last_json
+
+# Lifting a SCHED_IDLE loader back takes root, CAP_SYS_NICE or RLIMIT_NICE 20; a server without
+# them fills at nice 10 instead (test_fills.test_where_idle_could_not_be_lifted_a_fill_takes_nice_10_instead).
+lifts_idle = pytest.mark.skipif(not can_lift_idle(), reason="lifting SCHED_IDLE back needs root, "
+                                "CAP_SYS_NICE or RLIMIT_NICE 20; without them fills take nice 10")
 
 LIBRARY = '''
 import os, threading, time
@@ -137,6 +144,7 @@ def _go(server: ServerProcess, folder) -> dict:
     return server.wait_idle()
 
 
+@lifts_idle
 def test_a_fill_nobody_waits_for_runs_at_idle_priority(server, slowlib):
     caller = _call(server, slowlib)
     assert caller["w"] == [0.0, 1.0, 2.0, 3.0]  # the caller loaded plainly, without waiting for the fill
@@ -164,6 +172,7 @@ def test_a_fill_its_caller_waits_for_runs_at_normal_priority(server, slowlib):
     assert out.strip().splitlines()[-1] == '{"w": [0.0, 1.0, 2.0, 3.0]}'
 
 
+@lifts_idle
 def test_a_waiting_load_lifts_the_fill_it_joins(server, slowlib):
     _call(server, slowlib)
     pid = _loader_pid(server, slowlib)
@@ -181,6 +190,7 @@ def test_a_waiting_load_lifts_the_fill_it_joins(server, slowlib):
     assert server.status()["misses"] == 1  # the waiter joined the fill; it started no load of its own
 
 
+@lifts_idle
 def test_a_fill_competes_normally_after_fill_yield_seconds(make_server, slowlib):
     server = make_server({"OVERMIND_FILL_YIELD": "2"})
     _call(server, slowlib)
@@ -191,6 +201,7 @@ def test_a_fill_competes_normally_after_fill_yield_seconds(make_server, slowlib)
     _go(server, slowlib)
 
 
+@lifts_idle
 def test_a_loader_past_the_loader_timeout_is_killed_whatever_its_priority(make_server, slowlib):
     server = make_server({"OVERMIND_FILL_YIELD": "1", "OVERMIND_LOADER_TIMEOUT": "3"})
     _call(server, slowlib)
@@ -218,6 +229,7 @@ def _gone(pid: int, within: float = 10.0) -> bool:
         time.sleep(0.05)
 
 
+@lifts_idle
 def test_a_fill_starts_once_its_callers_own_load_returned_even_while_the_caller_stays_busy(server, slowlib):
     caller = subprocess.Popen([*_app(slowlib), "30"], env=_env(server, slowlib), stdout=subprocess.PIPE, text=True)
     try:
@@ -283,6 +295,7 @@ def test_a_fills_loader_starts_with_what_its_callers_plain_load_imported(server,
     assert (tmp_path / "loader-saw").read_text() == "True", server.log()[-3000:]
 
 
+@lifts_idle
 def test_a_caller_joins_a_fill_whose_pack_should_end_before_a_plain_load_would(server, slowlib):
     _packing(server, slowlib, 64, 0)  # all but the small weights in place: it should end at once
     second = subprocess.Popen(_app(slowlib), env=_env(server, slowlib, SLOW_CALLER="1.5"),
@@ -354,6 +367,7 @@ def test_a_joined_fill_that_runs_late_is_left_after_one_plain_load_time(server, 
     assert _go(server, slowlib)["entries"] == 1
 
 
+@lifts_idle
 def test_on_a_machine_kept_busy_a_fill_still_ends_once_it_yielded_its_bound(make_server, slowlib):
     """Every core spinning at normal priority: SCHED_IDLE alone would hold the fill (3 CPU-seconds
     of work) back for as long as they spin (Note [Idle only inside the interpreter's autogroup]). After OVERMIND_FILL_YIELD seconds it competes normally and is cached while they

@@ -24,6 +24,7 @@ import time
 import pytest
 
 from overmind.shared import protocol as P
+from overmind.shared.process.priority import can_lift_idle
 from overmind.shared.settings.config import Config
 from overmind.shared.segments.memfd import Segment
 from overmind.server import failures as FL
@@ -35,6 +36,11 @@ from overmind.server.joins import Joins
 from overmind.server.pool import LoadFailure, WarmPool
 from overmind.server.programs import ProgramHistory
 from overmind.server.registry import CacheEntry, Registry
+
+# Lifting a SCHED_IDLE loader back takes root, CAP_SYS_NICE or RLIMIT_NICE 20; a server without
+# them fills at nice 10 instead (test_fills.test_where_idle_could_not_be_lifted_a_fill_takes_nice_10_instead).
+lifts_idle = pytest.mark.skipif(not can_lift_idle(), reason="lifting SCHED_IDLE back needs root, "
+                                "CAP_SYS_NICE or RLIMIT_NICE 20; without them fills take nice 10")
 
 KEY, OTHER = "a" * 32, "b" * 32
 MB = 1 << 20
@@ -568,6 +574,7 @@ def test_a_caller_that_waits_for_the_cache_never_joins_it_but_waits_for_the_fill
 # -- the loader's priority: Note [Cold fills yield to their caller] ---------------------------------
 
 
+@lifts_idle
 def test_a_fill_nobody_waits_for_yields_until_a_waiter_lends_it_normal_priority(tmp_path, loader, caplog):
     caplog.set_level(logging.INFO, LOG)
     fills = _fills(tmp_path)
@@ -604,6 +611,7 @@ def test_a_fill_someone_waits_for_or_with_yielding_off_runs_at_normal_priority(t
     assert ("at normal priority (a caller waits for it)" in caplog.text) == wait
 
 
+@lifts_idle
 def test_a_fill_waiting_for_a_load_slot_lifts_the_fills_that_hold_them(tmp_path, loader, caplog):
     caplog.set_level(logging.INFO, LOG)
     fills = _fills(tmp_path)
@@ -617,6 +625,7 @@ def test_a_fill_waiting_for_a_load_slot_lifts_the_fills_that_hold_them(tmp_path,
     assert f"{KEY[:16]} waits for a load slot (pid 4242 waits for it)" in caplog.text and not queued.background
 
 
+@lifts_idle
 def test_a_fill_lends_the_fill_it_refers_to_its_priority_only_when_someone_waits_for_it(tmp_path, loader, caplog):
     caplog.set_level(logging.INFO, LOG)
     fills = _fills(tmp_path)
@@ -632,6 +641,7 @@ def test_a_fill_lends_the_fill_it_refers_to_its_priority_only_when_someone_waits
     assert f"pid 4242 waits for it, through {KEY[:16]}" in caplog.text
 
 
+@lifts_idle
 def test_a_wanted_fill_that_refers_to_another_lends_it_its_priority(tmp_path, loader):
     fills = _fills(tmp_path)
     fills.can_lift_idle = True
@@ -643,6 +653,7 @@ def test_a_wanted_fill_that_refers_to_another_lends_it_its_priority(tmp_path, lo
     assert fills.lenders == {}
 
 
+@lifts_idle
 def test_a_yielding_fill_competes_normally_after_fill_yield_seconds_and_its_progress_is_read(tmp_path, loader,
                                                                                             caplog):
     caplog.set_level(logging.INFO, LOG)
