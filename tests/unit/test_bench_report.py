@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 import re
 from typing import Optional
 
@@ -32,8 +33,10 @@ def test_quick_is_small_one_run_two_holders_one_process_per_mode():
     assert [s.name for s in quick.memory_cases] == ["controlnet"]
     assert [s.name for s in full.memory_cases] == ["controlnet", "fp32_as_fp16"]
     assert quick.startup and full.startup
-    # The whole-process scenario: every script, 3 timed runs per mode in --quick, 5 otherwise.
-    assert quick.whole_scripts == full.whole_scripts == ("controlnet", "lm", "imports")
+    # The whole-process scenario: every script, 5 timed runs per mode; --quick leaves it out (its
+    # curve is the whole process already) unless asked for.
+    assert quick.whole_scripts == () and full.whole_scripts == ("controlnet", "lm", "imports")
+    assert plan_of("--quick", "--scenarios", "whole_process").whole_scripts == ("controlnet", "lm", "imports")
     assert (quick.whole_runs, full.whole_runs) == (1, 5)
     assert full.whole_modes == ("plain", "patched", "run", "first_run")
     only = plan_of("--scenarios", "lm", "--whole-runs", "2")
@@ -275,7 +278,7 @@ def test_the_page_gives_each_figure_with_its_command_date_machine_and_version(mo
         block = text[text.index(f"### [{path.name}]"):]
         block = re.split(r"\n##+ ", block[4:], maxsplit=1)[0]  # to the next result or section
         head = " ".join(block.split("\n\n", 3)[2].split())  # the provenance list, unwrapped
-        assert f"Command: `{' '.join(doc['command'])}`" in head
+        assert f"Command: `{shlex.join(doc['command'])}`" in head
         assert f"Measured {doc['created'][:10]} with overmind {doc['overmind_version']}" in head
         assert f"Machine: {doc['machine']['cpus']} cores" in head and doc["machine"]["versions"]["torch"] in head
         assert "What it means: " in block

@@ -83,7 +83,8 @@ EXTRA_SCENARIOS = ("warmup_curve", "whole_process", "custom", "memory", "startup
 # --quick: a small version of every scenario (Note [Processes per scenario or per run] in
 # overmind.bench.runner).
 CURVE_SCRIPTS = ("controlnet", "lm")  # whole-process scripts that load a model
-# --quick (make demo) stays within 3 minutes here: the curve of the ControlNet script only.
+# --quick (make demo) stays within 3 minutes here: the curve of the ControlNet script only, and no
+# whole_process scenario.
 QUICK = {"scale": "small", "runs": 1, "warm_runs": 1, "memory_procs": 2, "startup_repeats": 5,
          "process_per": "run", "memory_cases": "controlnet", "whole_runs": 1, "curve_rounds": 1,
          "curve_scripts": "controlnet", "curve_modes": "patched,run"}
@@ -242,8 +243,10 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         custom = custom_scenario(args.loader, model, args.dtype)
         extra["custom_files"] = _custom_files(model)
     allowed = (*LOAD_SCENARIOS, *EXTRA_SCENARIOS)
+    # --quick leaves out whole_process: its curve is already the whole process from the shell.
     default_list = ("custom,memory,startup" if custom
-                    else ",".join(("warmup_curve", "whole_process", *LOAD_SCENARIOS, "memory", "startup")))
+                    else ",".join(("warmup_curve", *(() if args.quick else ("whole_process",)), *LOAD_SCENARIOS,
+                                   "memory", "startup")))
     chosen = _names(args.scenarios or default_list, allowed, "--scenarios")
     if "custom" in chosen and custom is None:
         raise ValueError("--scenarios custom needs --loader and --model")
