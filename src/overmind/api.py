@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # kept out of start-up: `import overmind.api; monkey_patch_al
 logger = logging.getLogger(__name__)
 
 __all__ = ["load", "monkey_patch_all", "unpatch_all", "is_patched", "get_original", "OvermindError",
-           "DEFAULT_PATCH_POINTS", "fetch_entry", "cache_key_of"]
+           "DEFAULT_PATCH_POINTS", "fetch_entry", "cache_key_of", "prepare_hit_path"]
 
 DEFAULT_PATCH_POINTS = (
     "diffusers.pipelines.pipeline_utils::DiffusionPipeline.from_pretrained",
@@ -101,7 +101,7 @@ _warmed = False  # the warm-up thread started (_make_wrapper)
 
 def _make_wrapper(point: patching.PatchPoint, original: Callable, is_classmethod: bool) -> Callable:
     global _warmed
-    if not _warmed and "torch" in sys.modules and _prestart_enabled():
+    if not _warmed and "torch" in sys.modules and _prestart_enabled() and not _in_warm_run():
         # torch just became importable: overlap our torch-side imports with the script's.
         _warmed = True
         from overmind.shared.process import teardown
@@ -201,8 +201,18 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
     if quick_exit_enabled():
         teardown.leave_quickly()  # Note [The drop-in leaves quickly]
-    if prestart_enabled():
+    if prestart_enabled() and not _in_warm_run():
         teardown.start_thread(_prepare, "overmind-prepare")  # Note [Our threads end before the teardown]
+
+
+def _in_warm_run() -> bool:
+    """Whether this is a run forked from a warm interpreter, which imported the hit path and whose
+    script loads within milliseconds: a head start on a thread would only compete with the
+    loads (Note [A hit imports nothing] in overmind.client.cache). Read without importing the
+    protocol package: a process that has not imported it is no warm run (overmind.warm.script
+    marks one before the script starts)."""
+    contexts = sys.modules.get("overmind.shared.protocol.contexts")
+    return contexts is not None and contexts.in_warm_run()
 
 
 def _prepare() -> None:
@@ -234,16 +244,24 @@ def _prepare() -> None:
     prefetch.background(config, server_pid, entries)
 
 
-def _warm_up() -> None:
-    """Background, once torch is imported: import what the first load needs (~8 ms of it)."""
-    try:
-        from overmind.shared.calls import keys
-        from overmind.shared.segments import reductions  # noqa: F401
-        from overmind.client import connection as client
+def prepare_hit_path() -> None:
+    """Import what a hit runs (its key, connection, rebuild and replay) and list the folders whose
+    dist-infos its key names, without loading anything. Once torch is imported,
+    ``monkey_patch_all()`` does this on a thread of its own; a warm interpreter does it before it
+    forks (Note [A hit imports nothing] in overmind.client.cache)."""
+    from overmind.shared.calls import callstate, keys, replay  # noqa: F401
+    from overmind.shared.segments import reductions  # noqa: F401
+    from overmind.client import connection, prefetch  # noqa: F401
+    import xxhash  # noqa: F401
 
-        keys.library_versions()
-        import xxhash  # noqa: F401
-    except Exception as err:  # the first load imports them itself
+    keys.library_versions()
+
+
+def _warm_up() -> None:
+    """Background, once torch is imported: what the first load needs (~8 ms of it)."""
+    try:
+        prepare_hit_path()
+    except Exception as err:  # the first load does it itself
         logger.debug("warm-up failed: %s", err)
 
 

@@ -202,8 +202,10 @@ def whole_meaning(sc: dict) -> str:
 def loads_section(result: Result) -> list[str]:
     doc, out = result.doc, []
     device = doc["settings"]["device"]
-    out += wrap(f"Seconds per call in a fresh process, libraries imported before the clock; median (min-max) "
-                 f"of {doc['settings']['runs']} runs, warm: {doc['settings']['warm_runs']}.")
+    out += wrap(f"Seconds per call in a fresh process started with the default settings (its first line is "
+                 f"`monkey_patch_all()`: a warm run is handed to a warm interpreter), libraries imported before the "
+                 f"clock (import: from the start to then); median (min-max) of {doc['settings']['runs']} runs, "
+                 f"warm: {doc['settings']['warm_runs']}, and the slowest warm run.")
     for sc in doc["scenarios"]:
         size = f", {_gb(sc['tensor_bytes'])} of tensors" if sc["tensor_bytes"] else ""
         out += ["", *wrap(f"**{sc['name']}** ({sc['title']}{size})"), ""]
@@ -217,6 +219,11 @@ def loads_section(result: Result) -> list[str]:
                          _s(s["to_device"]["median"]),
                          f"{_s(total['median'])} ({_s(total['min'])}-{_s(total['max'])})",
                          _s(s["first_use"]["median"]), ratio(r["x_plain"], 3), ratio(r["x_plain_with_first_use"], 3)])
+            if r["mode"] == "warm" and total["n"] > 1:
+                slow = max(r["runs"], key=lambda run: run["total"])
+                rows.append(["its slowest run", "", *(_s(slow[c]) if c in slow else "-" for c in (
+                    "import", *sc["components"], "to_device", "total", "first_use")),
+                    ratio(None if r["x_plain"] is None else r["x_plain"] * slow["total"] / total["median"], 3), ""])
         if len(rows) > 1:
             out += table(rows) + [""]
         if sc["warm_misses"]:

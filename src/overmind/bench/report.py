@@ -454,6 +454,10 @@ def format_tables(doc: dict) -> str:
                          _s(s["first_use"]["median"]),
                          "-" if r["x_plain"] is None else f"{r['x_plain']:.3f}",
                          "-" if r["x_plain_with_first_use"] is None else f"{r['x_plain_with_first_use']:.3f}"])
+            if r["mode"] == "warm" and total["n"] > 1:  # a hit is fast in every run, not only in most: its slowest
+                slow, cols = max(r["runs"], key=lambda run: run["total"]), ("import", *sc["components"], "to_device")
+                rows.append(["  its slowest run", *[_s(slow[c]) if c in slow else "-" for c in (*cols, "total", "first_use")],
+                             "-" if r["x_plain"] is None else f"{r['x_plain'] * slow['total'] / total['median']:.3f}", ""])
         out.append(_grid(rows))
         if sc["warm_misses"]:
             out.append(f"  warning: {sc['warm_misses']} warm call(s) missed the cache")

@@ -119,7 +119,7 @@ class Runner:
         if mode == "plain":
             return base_env({"OVERMIND_DISABLE": "1", "OVERMIND_RUNTIME_DIR": str(self.server.runtime_dir),
                              "OVERMIND_NO_AUTOSTART": "1"})
-        return self.server.client_env({"OVERMIND_COLD": self.plan.cold_mode})
+        return self.server.client_env({} if self.plan.cold_mode == "background" else {"OVERMIND_COLD": self.plan.cold_mode})
 
     def _entry(self, scenario: Scenario) -> dict:
         if scenario.name not in self.results:
@@ -261,8 +261,10 @@ class Runner:
         return out
 
     def start_holders(self, scenario: Scenario) -> list[Worker]:
-        # Patched, waiting for the cache on a miss (Note [One set of holders]).
-        env = self.server.client_env({"OVERMIND_COLD": "wait"})
+        # Patched, waiting for the cache on a miss (Note [One set of holders]); each in its own
+        # process, never handed over: a holder forked from a warm interpreter shares that
+        # interpreter's pages, and their PSS shifts as holders come and go.
+        env = self.server.client_env({"OVERMIND_COLD": "wait", "OVERMIND_WARM_START": "0"})
         return [Worker(env, scenario.preload, self.log_dir, f"memory-{scenario.name}-{i + 1}", cwd=self.cwd)
                 for i in range(self.plan.memory_procs)]
 

@@ -2,10 +2,12 @@
 
     python -m overmind.bench.worker        (started by overmind.bench.harness.Worker)
 
-Start-up, as a user's script would: ``import overmind.api; monkey_patch_all()`` (a no-op
-under ``OVERMIND_DISABLE=1``, the plain mode), then the scenario's libraries and model
-classes (``OVERMIND_BENCH_PRELOAD``), so import costs stay off the load clock. It then
-reports ``import_s``, the time since the parent started it (``OVERMIND_BENCH_T0``, a
+Start-up, as a user's script would: ``import overmind.api; monkey_patch_all()`` first (a no-op
+under ``OVERMIND_DISABLE=1``, the plain mode), so that with the default settings a warm run is
+handed to a warm interpreter as the user's would be (Note [When a warm start applies] in
+overmind.client.warm_start), then the scenario's libraries and model classes
+(``OVERMIND_BENCH_PRELOAD``), so import costs stay off the load clock. It then reports
+``import_s``, the time since the parent started it (``OVERMIND_BENCH_T0``, a
 ``time.monotonic()`` value: the clock is shared by every process of the machine).
 
 Then one JSON job per stdin line, one reply per job on stdout, prefixed with
@@ -23,9 +25,14 @@ Then one JSON job per stdin line, one reply per job on stdout, prefixed with
 
 from __future__ import annotations
 
-import os
-import sys
-import time
+import overmind.api
+
+if __name__ == "__main__":  # the first statement, as in a user's script; importing this module patches nothing
+    overmind.api.monkey_patch_all()
+
+import os  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
 
 T0 = time.monotonic()
 REPLY_PREFIX = "@overmind-bench "
@@ -123,9 +130,6 @@ def main() -> None:
     import json
 
     start = float(os.environ.get("OVERMIND_BENCH_T0", T0))
-    import overmind.api
-
-    overmind.api.monkey_patch_all()
     import torch  # noqa: F401
 
     from overmind.bench.scenarios import resolve_loader

@@ -70,6 +70,18 @@ _spare = None  # a connection the prestart thread opened, for the first load (se
 _spare_lock = threading.Lock()
 _warned = False
 _warn_lock = threading.Lock()
+# Note [A hit imports nothing]
+# A hit costs what the fastest hit of its entry costs, whatever else the process is doing, and
+# a run forked from a warm interpreter is where that is hardest: its loads begin within
+# milliseconds of the fork, and everything they touch for the first time is a page fault.
+# So the warm interpreter imports the hit path and lists the folders whose dist-infos the key
+# names before it forks (overmind.api.prepare_hit_path; keys.library_versions keeps each listing
+# while the folder's mtime stays); a warm run starts neither of monkey_patch_all()'s head-start
+# threads (api._in_warm_run), which only competed with its first loads for the GIL
+# and the import lock; and a replayed warning finds its module by name rather than by a pass
+# over every module (replay._module_of). tests/integration/test_steady_hits.py times the
+# ControlNet pattern's hits over fresh processes in a row; the bench's load-call scenarios
+# show each warm scenario's slowest run beside its median.
 # Note [A silent server is skipped for a while]
 # A server that cannot be reached or does not answer within OVERMIND_REPLY_TIMEOUT costs one
 # call that bound; the calls of the next SERVER_DOWN_BACKOFF seconds go straight to the

@@ -239,8 +239,9 @@ class WarmInterpreter:
         imported = self.held.import_(PREIMPORT)
         with recording(self.held.reads):
             import overmind.shared.segments.quirks  # noqa: F401  (torch-side helpers before forking)
-            import overmind.shared.segments.reductions  # noqa: F401
             import overmind.warm.script  # noqa: F401  (what every run imports first)
+            import overmind.api  # and what every hit runs: Note [A hit imports nothing] in overmind.client.cache
+            overmind.api.prepare_hit_path()
 
         self.held.census.take()  # Note [Forking only past what a fork keeps]: what runs now is its own
         self.compiles = INDUCTOR_USED in warm.modules
@@ -588,8 +589,7 @@ def interpreter_main(control_fd: int) -> None:
 
 
 def _log_to_server() -> None:
-    """Our records and our loaders' go to stderr, the server's log, as the server's own do; a
-    run's child takes this back (``overmind.warm.script``): its overmind records are the user's."""
+    """Our records and our loaders' go to stderr, the server's log; a run's child takes it back (overmind.warm.script)."""
     from overmind.shared.settings.config import LOG_FORMAT, LOG_LEVELS
 
     handler = logging.StreamHandler(sys.stderr)

@@ -318,26 +318,47 @@ def library_versions() -> tuple:
     """Versions of the libraries that shape a load, from their dist-info folder names.
 
     A directory listing per ``sys.path`` entry; ``importlib.metadata`` parses every
-    METADATA file and costs ~10 ms, on the warm path of every process.
+    METADATA file and costs ~10 ms, on the warm path of every process. Each entry's listing is
+    kept while the folder's mtime stays (installing or removing a package changes it), so a run
+    forked from a warm interpreter, which computed them, lists only its own script's folder.
     """
     global _versions
-    if _versions is None:
+    path = tuple(sys.path)
+    if _versions is None or _versions[0] != path:
         wanted = {name.lower() for name in _LIBRARIES}
         found: dict[str, str] = {}
-        for entry in sys.path:
-            try:
-                names = os.listdir(entry or ".")
-            except OSError:
-                continue
-            for fname in names:
-                for suffix in (".dist-info", ".egg-info"):
-                    if fname.endswith(suffix):
-                        name, _, version = fname[: -len(suffix)].partition("-")
-                        name = name.lower().replace("_", "-")
-                        if name in wanted and name not in found:
-                            found[name] = version
-        _versions = (sys.version_info[:3], tuple((n, found.get(n)) for n in _LIBRARIES))
-    return _versions
+        for entry in path:
+            for name, version in _dist_infos(entry or ".", wanted):
+                found.setdefault(name, version)
+        _versions = (path, (sys.version_info[:3], tuple((n, found.get(n)) for n in _LIBRARIES)))
+    return _versions[1]
+
+
+_listings: dict[str, tuple[int, list]] = {}  # sys.path entry -> (its mtime_ns, [(name, version)])
+
+
+def _dist_infos(entry: str, wanted: set) -> list:
+    try:
+        mtime = os.stat(entry).st_mtime_ns
+    except OSError:
+        return []
+    known = _listings.get(entry)
+    if known is not None and known[0] == mtime:
+        return known[1]
+    try:
+        names = os.listdir(entry)
+    except OSError:
+        return []
+    found = []
+    for fname in names:
+        for suffix in (".dist-info", ".egg-info"):
+            if fname.endswith(suffix):
+                name, _, version = fname[: -len(suffix)].partition("-")
+                name = name.lower().replace("_", "-")
+                if name in wanted:
+                    found.append((name, version))
+    _listings[entry] = (mtime, found)
+    return found
 
 
 def _describe(target: Target, args: tuple, kwargs: dict) -> str:

@@ -13,7 +13,7 @@ tensor or storage in the object graph becomes a persistent id: an index into a s
 table of :class:`StorageRef` and :class:`TensorRef` records stored beside the pickle.
 Unpickling maps each segment once, builds every table entry over that mapping with
 :func:`overmind.shared.segments.native.make_untyped_storage`, then runs the pickle with
-``persistent_load = table.__getitem__``.
+``persistent_load = table.__getitem__`` (``overmind.shared.segments.unpickler``).
 
 Note [Skeleton format is versioned]
 A skeleton may be read by a different overmind build than the one that wrote it
@@ -78,6 +78,7 @@ import torch
 
 from overmind.shared.segments.memfd import Segment, buffer_at
 from overmind.shared.segments.native import build_tensors, make_untyped_storage
+from overmind.shared.segments.unpickler import table_unpickler
 from overmind.shared.segments.writer import SegmentWriter
 
 logger = logging.getLogger(__name__)
@@ -526,8 +527,9 @@ def unpack(skeleton: bytes, mappings: Sequence[Optional[mmap.mmap]], map_locatio
     gc.disable()
     try:
         objects = _build_objects(object_table, _build_storages(storage_table, views, map_location), references or {})
-        unpickler = pickle.Unpickler(io.BytesIO(payload))
-        unpickler.persistent_load = objects.__getitem__  # C-level lookup, see Note [Tensors as table entries]
+        # C-level lookup (Note [Tensors as table entries]), on every Python: Note [Persistent ids
+        # across Pythons] in overmind.shared.segments.unpickler
+        unpickler = table_unpickler(io.BytesIO(payload), objects)
         return unpickler.load()
     finally:
         if gc_was_enabled:
