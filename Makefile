@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.overmind-installed
 
-.PHONY: venv demo docs test test-slow clean
+.PHONY: venv demo docs test test-slow test-pythons clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,24 @@ test: venv
 
 test-slow: venv
 	$(PYTEST) -m slow tests
+
+# Every other Python the project claims, each in a venv of its own with the torch that
+# `pip install torch==2.13.0` gives there (the registry's CUDA build, about 5 GB; the CPU wheel on
+# disk is for 3.11 only): the unit tests and the warm-hit checks, not the whole suite.
+# PYTHONS names the interpreters; venvs go to .venv-<version>.
+PYTHONS ?= $(foreach v,3.10 3.12 3.13,$(firstword $(wildcard $(HOME)/.pyenv/versions/$(v).*/bin/python$(v))))
+PYTHON_TESTS ?= tests/unit tests/integration/test_steady_hits.py tests/integration/test_warm_start.py
+test-pythons:
+	@test -n "$(strip $(PYTHONS))" || { echo "no other Python found; set PYTHONS=/path/to/python3.X ..."; exit 2; }
+	set -e; for py in $(PYTHONS); do \
+	    v=$$($$py -c 'import sys; print("%d.%d" % sys.version_info[:2])'); venv=.venv-$$v; \
+	    test -x $$venv/bin/python || $$py -m venv $$venv; \
+	    $$venv/bin/pip install -q "torch==2.13.0" "setuptools>=64" wheel ninja; \
+	    $$venv/bin/pip install -q --no-build-isolation -e ".[hf,test]"; \
+	    echo "== Python $$v, torch $$($$venv/bin/python -c 'import torch; print(torch.__version__)')"; \
+	    HF_HUB_OFFLINE=1 $$venv/bin/python -m pytest -q --timeout=600 -n $(TEST_WORKERS) --dist loadfile \
+	        -m "not slow" $(PYTHON_TESTS); \
+	done
 
 clean:
 	rm -rf build src/*.egg-info src/overmind/_C*.so
