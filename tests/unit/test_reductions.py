@@ -517,3 +517,30 @@ def test_a_segment_that_cannot_be_mapped_is_copied_around_and_leaves_no_fd_open(
     finally:
         store.close()
         segment.close()
+
+
+def test_the_table_unpickler_resolves_persistent_ids_on_this_python():
+    # Python 3.13 made an Unpickler instance's persistent_load read-only: Note [Persistent ids
+    # across Pythons] in overmind.shared.segments.unpickler.
+    import io
+    import pickle
+
+    from overmind.shared.segments.unpickler import table_unpickler
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return obj.index if isinstance(obj, _Slot) else None
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=5).dump({"a": _Slot(1), "b": [_Slot(0), 3]})
+    table = ["zero", object()]
+    out = table_unpickler(io.BytesIO(buffer.getvalue()), table).load()
+    assert out["a"] is table[1] and out["b"] == ["zero", 3]
+    with pytest.raises(IndexError):
+        Pickler(buffer := io.BytesIO(), protocol=5).dump(_Slot(5))
+        table_unpickler(io.BytesIO(buffer.getvalue()), table).load()
+
+
+class _Slot:
+    def __init__(self, index: int) -> None:
+        self.index = index
