@@ -201,14 +201,14 @@ def monkey_patch_all(extra: Iterable[str] = ()) -> None:
 
     if quick_exit_enabled():
         teardown.leave_quickly()  # Note [The drop-in leaves quickly]
-    if prestart_enabled() and not _in_warm_run():
+    if prestart_enabled():
         teardown.start_thread(_prepare, "overmind-prepare")  # Note [Our threads end before the teardown]
 
 
 def _in_warm_run() -> bool:
     """Whether this is a run forked from a warm interpreter, which imported the hit path and whose
-    script loads within milliseconds: a head start on a thread would only compete with the
-    loads (Note [A hit imports nothing] in overmind.client.cache). Read without importing the
+    script loads within milliseconds: the warm-up thread would only compete with the loads (Note
+    [A hit imports nothing] in overmind.client.cache). Read without importing the
     protocol package: a process that has not imported it is no warm run (overmind.warm.script
     marks one before the script starts)."""
     contexts = sys.modules.get("overmind.shared.protocol.contexts")

@@ -202,10 +202,8 @@ def whole_meaning(sc: dict) -> str:
 def loads_section(result: Result) -> list[str]:
     doc, out = result.doc, []
     device = doc["settings"]["device"]
-    out += wrap(f"Seconds per call in a fresh process started with the default settings (its first line is "
-                 f"`monkey_patch_all()`: a warm run is handed to a warm interpreter), libraries imported before the "
-                 f"clock (import: from the start to then); median (min-max) of {doc['settings']['runs']} runs, "
-                 f"warm: {doc['settings']['warm_runs']}, and the slowest warm run.")
+    out += wrap(f"Seconds per call in a fresh process with the default settings, libraries imported before the "
+                 f"clock; median (min-max) of {doc['settings']['runs']} runs, warm: {doc['settings']['warm_runs']}.")
     for sc in doc["scenarios"]:
         size = f", {_gb(sc['tensor_bytes'])} of tensors" if sc["tensor_bytes"] else ""
         out += ["", *wrap(f"**{sc['name']}** ({sc['title']}{size})"), ""]

@@ -76,9 +76,10 @@ _warn_lock = threading.Lock()
 # milliseconds of the fork, and everything they touch for the first time is a page fault.
 # So the warm interpreter imports the hit path and lists the folders whose dist-infos the key
 # names before it forks (overmind.api.prepare_hit_path; keys.library_versions keeps each listing
-# while the folder's mtime stays); a warm run starts neither of monkey_patch_all()'s head-start
-# threads (api._in_warm_run), which only competed with its first loads for the GIL
-# and the import lock; and a replayed warning finds its module by name rather than by a pass
+# while the folder's mtime stays); a warm run starts no warm-up thread (api._in_warm_run), which
+# only competed with its first loads for the GIL and the import lock (its prepare thread still
+# tells the server which files it was handed: Note [Reading back a lost file] in
+# overmind.client.prefetch); and a replayed warning finds its module by name rather than by a pass
 # over every module (replay._module_of). tests/integration/test_steady_hits.py times the
 # ControlNet pattern's hits over fresh processes in a row; the bench's load-call scenarios
 # show each warm scenario's slowest run beside its median.
