@@ -34,7 +34,6 @@ fails the curve. A fallback warning is recorded, not failed: the curve shows wha
 from __future__ import annotations
 
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Optional
 
 from overmind.bench import shmem
-from overmind.bench.harness import BenchServer, base_env, drop_all_caches, drop_page_cache
+from overmind.bench.harness import BenchServer, base_env, drop_all_caches, drop_page_cache, summary
 from overmind.bench.whole import (FALLBACK_MARK, RUN_TIMEOUT, SCRIPTS, Script, front_end, read_marks, script_files,
                                   script_source)
 
@@ -173,10 +172,6 @@ class WarmupCurve:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 def summarize(results: dict, plan) -> list[dict]:
     """The ``warmup_curve.scripts`` list of the JSON document (schema in overmind.bench.report)."""
     out = []
@@ -196,12 +191,12 @@ def _summarize_one(entry: Optional[dict], plan, name: str, cache_state: str, set
         return item
     item.update(status=entry["status"], reason=entry["reason"])
     plain = [r["wall"] for r in entry["plain"]]
-    item["plain"] = _summary(plain) if plain else None
+    item["plain"] = summary(plain) if plain else None
     for mode in plan.curve_modes:
         runs = []
         for run in RUNS:
             done = entry[mode][run]
-            wall = _summary([r["wall"] for r in done]) if done else None
+            wall = summary([r["wall"] for r in done]) if done else None
             runs.append({"run": run, "runs": done, "wall": wall,
                          "x_plain": wall["median"] / item["plain"]["median"] if wall and item["plain"] else None})
         item["modes"].append({"mode": mode, "runs": runs})

@@ -32,7 +32,12 @@ from typing import Iterable, Optional
 from overmind.bench.worker import REPLY_PREFIX
 
 __all__ = ["BenchError", "Worker", "BenchServer", "base_env", "drop_page_cache", "pss", "tree_pss",
-           "used_memory", "startup_overhead"]
+           "used_memory", "startup_overhead", "summary"]
+
+
+def summary(values: list[float]) -> dict:
+    """Median, min, max and count of one figure's runs: every scenario's JSON uses this shape."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 # A cold load of a 3.5 GB pipeline takes tens of seconds here; hours mean something hangs.
 JOB_TIMEOUT = 1800.0

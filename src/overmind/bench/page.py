@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 from overmind.bench import page_alone
 from overmind.bench.page_parts import Result, first_line, ratio, spread, status_lines, table, wrap
-from overmind.bench.report import MODE_LABELS, _gb, _s, validate
+from overmind.bench.report import MODE_LABELS, _gb, _s, slowest_cells, validate
 from overmind.bench.scenarios import LOAD_SCENARIOS
 
 __all__ = ["SECTIONS", "TEMPLATE", "Result", "load", "render", "command_line", "main"]
@@ -218,10 +218,7 @@ def loads_section(result: Result) -> list[str]:
                          f"{_s(total['median'])} ({_s(total['min'])}-{_s(total['max'])})",
                          _s(s["first_use"]["median"]), ratio(r["x_plain"], 3), ratio(r["x_plain_with_first_use"], 3)])
             if r["mode"] == "warm" and total["n"] > 1:
-                slow = max(r["runs"], key=lambda run: run["total"])
-                rows.append(["its slowest run", "", *(_s(slow[c]) if c in slow else "-" for c in (
-                    "import", *sc["components"], "to_device", "total", "first_use")),
-                    ratio(None if r["x_plain"] is None else r["x_plain"] * slow["total"] / total["median"], 3), ""])
+                rows.append(["its slowest run", "", *slowest_cells(sc, r), ""])
         if len(rows) > 1:
             out += table(rows) + [""]
         if sc["warm_misses"]:

@@ -127,6 +127,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
+from overmind.bench.harness import summary
+
 __all__ = ["SCHEMA_VERSION", "PHASES_AFTER", "ALONE", "document", "format_tables", "plot", "validate"]
 
 SCHEMA_VERSION = 1
@@ -135,10 +137,6 @@ PHASES_AFTER = ("to_device", "total", "first_use")  # after a scenario's own com
 MODE_LABELS = {"plain": "plain", "first": "overmind first", "cold": "overmind cold", "warm": "overmind warm"}
 WHOLE_LABELS = {"plain": "python", "patched": "python + monkey_patch_all()", "run": "overmind run",
                 "first_run": "overmind run, new context", "dropin": "the same, OVERMIND_WARM_START=0"}
-
-
-def _summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def _versions() -> dict:
@@ -181,7 +179,7 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
                 with_use[mode, cache_state, setting] = statistics.median(r["total"] + r["first_use"] for r in runs)
                 item["results"].append({"mode": mode, "page_cache": cache_state, "shmem_enabled": setting,
                                         "runs": [{p: r[p] for p in phases} for r in runs],
-                                        "summary": {p: _summary([r[p] for r in runs]) for p in phases},
+                                        "summary": {p: summary([r[p] for r in runs]) for p in phases},
                                         "x_plain": None, "x_plain_with_first_use": None})
             order = {m: i for i, m in enumerate(plan.modes)}
             settings_order = {v: i for i, v in enumerate(plan.shmem_settings)}
@@ -214,7 +212,7 @@ def document(plan, results: dict, startup: Optional[dict], *, cache_dir: Path, w
                      "shmem_enabled": shmem_enabled, "shmem_enabled_runs": list(plan.shmem_settings),
                      "imports": list(plan.script_imports)},
         "startup": None if startup is None else {
-            "bare_s": _summary(startup["bare_s"]), "patched_s": _summary(startup["patched_s"]),
+            "bare_s": summary(startup["bare_s"]), "patched_s": summary(startup["patched_s"]),
             "added_s": startup["added_s"]},
         "scenarios": scenarios,
         "memory": [{**{k: m.get(k) for k in ("scenario", "procs", "tensor_bytes", "status", "reason")},
@@ -405,6 +403,13 @@ def _s(x: float) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
 
+def slowest_cells(sc: dict, r: dict) -> list[str]:
+    """A mode's slowest run, its own figures (not each column's maximum), then its total over plain's median."""
+    slow, x = max(r["runs"], key=lambda run: run["total"]), r["x_plain"]
+    cells = [_s(slow[c]) if c in slow else "-" for c in ("import", *sc["components"], "to_device", "total", "first_use")]
+    return cells + ["-" if x is None else f"{x * slow['total'] / r['summary']['total']['median']:.3f}"]
+
+
 def _grid(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
@@ -430,18 +435,16 @@ def format_tables(doc: dict) -> str:
         out += ["", format_whole(doc["whole_process"])]
     for sc in doc["scenarios"]:
         size = f"{_gb(sc['tensor_bytes'])} of tensors" if sc["tensor_bytes"] else ""
-        out.append("")
-        out.append(f"{sc['name']}: {sc['title']}" + (f"; {size}" if size else "")
-                   + (f" ({sc['why']})" if sc["why"] else ""))
+        out += ["", f"{sc['name']}: {sc['title']}" + (f"; {size}" if size else "")
+                + (f" ({sc['why']})" if sc["why"] else "")]
         if sc["status"] != "ok":
             out.append(f"  {sc['status']}: {sc['reason']}")
             if not sc["results"]:
                 continue
         caches = {r["page_cache"] for r in sc["results"]}
         shmem_values = {r["shmem_enabled"] for r in sc["results"]}
-        header = ["mode", "import", *sc["components"], f"to({device})", "total", "first use", "x plain",
-                  "x plain +use"]
-        rows = [header]
+        rows = [["mode", "import", *sc["components"], f"to({device})", "total", "first use", "x plain",
+                 "x plain +use"]]
         for r in sc["results"]:
             s = r["summary"]
             label = (MODE_LABELS[r["mode"]] + (f", page cache {r['page_cache']}" if len(caches) > 1 else "")
@@ -454,10 +457,8 @@ def format_tables(doc: dict) -> str:
                          _s(s["first_use"]["median"]),
                          "-" if r["x_plain"] is None else f"{r['x_plain']:.3f}",
                          "-" if r["x_plain_with_first_use"] is None else f"{r['x_plain_with_first_use']:.3f}"])
-            if r["mode"] == "warm" and total["n"] > 1:  # a hit is fast in every run, not only in most: its slowest
-                slow, cols = max(r["runs"], key=lambda run: run["total"]), ("import", *sc["components"], "to_device")
-                rows.append(["  its slowest run", *[_s(slow[c]) if c in slow else "-" for c in (*cols, "total", "first_use")],
-                             "-" if r["x_plain"] is None else f"{r['x_plain'] * slow['total'] / total['median']:.3f}", ""])
+            if r["mode"] == "warm" and total["n"] > 1:  # a hit is fast in every run, not only in most
+                rows.append(["  its slowest run", *slowest_cells(sc, r), ""])
         out.append(_grid(rows))
         if sc["warm_misses"]:
             out.append(f"  warning: {sc['warm_misses']} warm call(s) missed the cache")

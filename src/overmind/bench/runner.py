@@ -35,7 +35,6 @@ only ``import`` is then shared by the scenarios of that worker.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Optional
 
 from overmind.bench import shmem
-from overmind.bench.harness import (BenchError, BenchServer, Worker, base_env, drop_page_cache, pss, tree_pss,
+from overmind.bench.harness import (BenchError, BenchServer, Worker, base_env, drop_page_cache, pss, summary, tree_pss,
                                     used_memory)
 from overmind.bench.models import model_files
 from overmind.bench.scenarios import Scenario
@@ -92,10 +91,6 @@ class Plan:
     shmem_settings: tuple[str, ...] = ()
 
 
-def _summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 class Runner:
     def __init__(self, plan: Plan, paths: dict, server: BenchServer, log_dir: Path, cwd: Optional[str] = None,
                  echo=None, switch: Optional[shmem.Switch] = None) -> None:
@@ -119,7 +114,7 @@ class Runner:
         if mode == "plain":
             return base_env({"OVERMIND_DISABLE": "1", "OVERMIND_RUNTIME_DIR": str(self.server.runtime_dir),
                              "OVERMIND_NO_AUTOSTART": "1"})
-        return self.server.client_env({} if self.plan.cold_mode == "background" else {"OVERMIND_COLD": self.plan.cold_mode})
+        return self.server.client_env({"OVERMIND_COLD": self.plan.cold_mode})
 
     def _entry(self, scenario: Scenario) -> dict:
         if scenario.name not in self.results:
@@ -295,7 +290,7 @@ class Runner:
         nbytes = max(replies[0]["tensor_bytes"], 1)
         result = {"pss_bytes": pss1 - pss0, "used_bytes": used1 - used0, "pss_ratio": (pss1 - pss0) / nbytes,
                   "used_ratio": (used1 - used0) / nbytes, "pss_before_bytes": pss0, "pss_after_bytes": pss1,
-                  "load_s": _summary([r["phases"]["total"] for r in replies])}
+                  "load_s": summary([r["phases"]["total"] for r in replies])}
         self.echo(f"memory {scenario.name:<13} {mode:<8} {len(workers)} holders: summed PSS "
                   f"{result['pss_bytes'] / 1e9:+.2f} GB, used memory {result['used_bytes'] / 1e9:+.2f} GB, "
                   f"{replies[0]['tensor_bytes'] / 1e9:.2f} GB of tensors")

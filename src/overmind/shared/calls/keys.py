@@ -325,10 +325,9 @@ def library_versions() -> tuple:
     global _versions
     path = tuple(sys.path)
     if _versions is None or _versions[0] != path:
-        wanted = {name.lower() for name in _LIBRARIES}
         found: dict[str, str] = {}
         for entry in path:
-            for name, version in _dist_infos(entry or ".", wanted):
+            for name, version in _dist_infos(entry or "."):
                 found.setdefault(name, version)
         _versions = (path, (sys.version_info[:3], tuple((n, found.get(n)) for n in _LIBRARIES)))
     return _versions[1]
@@ -337,7 +336,8 @@ def library_versions() -> tuple:
 _listings: dict[str, tuple[int, list]] = {}  # sys.path entry -> (its mtime_ns, [(name, version)])
 
 
-def _dist_infos(entry: str, wanted: set) -> list:
+def _dist_infos(entry: str) -> list:
+    """The (name, version) of each of _LIBRARIES' dist-info or egg-info folders in ``entry``."""
     try:
         mtime = os.stat(entry).st_mtime_ns
     except OSError:
@@ -355,7 +355,7 @@ def _dist_infos(entry: str, wanted: set) -> list:
             if fname.endswith(suffix):
                 name, _, version = fname[: -len(suffix)].partition("-")
                 name = name.lower().replace("_", "-")
-                if name in wanted:
+                if name in _LIBRARIES:
                     found.append((name, version))
     _listings[entry] = (mtime, found)
     return found
