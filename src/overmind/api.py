@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # kept out of start-up: `import overmind.api; monkey_patch_al
 logger = logging.getLogger(__name__)
 
 __all__ = ["load", "monkey_patch_all", "unpatch_all", "is_patched", "get_original", "OvermindError",
-           "DEFAULT_PATCH_POINTS", "fetch_entry", "cache_key_of", "prepare_hit_path"]
+           "DEFAULT_PATCH_POINTS", "fetch_entry", "cache_key_of", "prepare_hit_path", "rehearse_program"]
 
 DEFAULT_PATCH_POINTS = (
     "diffusers.pipelines.pipeline_utils::DiffusionPipeline.from_pretrained",
@@ -225,6 +225,7 @@ def _prepare() -> None:
         from overmind.shared.process import teardown
         from overmind.shared.settings.config import Config
         from overmind.shared.protocol.contexts import caller_context, in_warm_run
+        from overmind.client import prefetch  # Note [Prefetch] in overmind.client.prefetch
 
         if teardown.exiting():  # the script left while we imported (`--help`): nothing to prepare for
             return
@@ -233,8 +234,8 @@ def _prepare() -> None:
         if not in_warm_run():  # a forked run's interpreter serves its context already
             # Note [A run's interpreter imports under the run's environment] in overmind.server.pool:
             # an interpreter this starts imports under this process's environment, as the run's would.
-            conn.simple(P.Prepare(caller_context(), env=dict(os.environ)), P.Ok, timeout=config.reply_timeout)
-        from overmind.client import prefetch  # Note [Prefetch] in overmind.client.prefetch
+            conn.simple(P.Prepare(caller_context(), env=dict(os.environ), program=prefetch.program_id()), P.Ok,
+                        timeout=config.reply_timeout)
 
         server_pid, entries = prefetch.plan(conn)
     except Exception as err:  # the first load reports problems; this is only a head start
@@ -251,10 +252,19 @@ def prepare_hit_path() -> None:
     forks (Note [A hit imports nothing] in overmind.client.cache)."""
     from overmind.shared.calls import callstate, keys, replay  # noqa: F401
     from overmind.shared.segments import reductions  # noqa: F401
-    from overmind.client import connection, prefetch  # noqa: F401
+    from overmind.client import connection, prefetch, rehearsal  # noqa: F401
     import xxhash  # noqa: F401
 
     keys.library_versions()
+
+
+def rehearse_program(program: str) -> bool:
+    """Rebuild and drop what ``program`` loaded in its last process, counted as no hit; whether
+    nothing spoke meanwhile. A warm interpreter's child forked ahead of its run does this (Note [A
+    run's child is forked ahead] in overmind.warm.children)."""
+    from overmind.client.rehearsal import rehearse
+
+    return rehearse(program)
 
 
 def _warm_up() -> None:

@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 import threading
+import sys
 
 import pytest
 
@@ -430,3 +431,16 @@ def test_expect_turns_an_error_into_remote_error_with_traceback():
     assert "LOADER_FAILED: OSError: gone" in str(info.value) and "Traceback" in str(info.value)
     with pytest.raises(P.ProtocolError, match="expected Entry"):
         P.expect(P.Ok(), P.Entry)
+
+
+def test_a_rehearsal_is_only_ever_a_lookup():
+    """Note [A run's child is forked ahead] in overmind.warm.children: a Load the server counts as no
+    hit never starts a fill either."""
+    from overmind.server.loads import LoadFailure, check_request
+
+    context = {"python": sys.executable, "cwd": "/", "sys_path": [], "env": {}}
+    check_request(P.Load("a" * 32, "", "reference", {}, lookup_only=True, rehearsal=True))
+    for bad in (P.Load("a" * 32, "t:f", "f()", context, rehearsal=True),
+                P.Load("a" * 32, "", "reference", {}, lookup_only=True, rehearsal=1)):
+        with pytest.raises(LoadFailure, match="a rehearsal is a lookup"):
+            check_request(bad)

@@ -12,6 +12,7 @@ Note [Never worse than no cache] in ``overmind.api``.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import threading
@@ -79,8 +80,9 @@ _warn_lock = threading.Lock()
 # while the folder's mtime stays); a warm run starts no warm-up thread (api._in_warm_run), which
 # only competed with its first loads for the GIL and the import lock (its prepare thread still
 # tells the server which files it was handed: Note [Reading back a lost file] in
-# overmind.client.prefetch); and a replayed warning finds its module by name rather than by a pass
-# over every module (replay._module_of). tests/integration/test_steady_hits.py times the
+# overmind.client.prefetch); a replayed warning finds its module by name rather than by a pass
+# over every module (replay._module_of); and the run's child was forked ahead and rehearsed its
+# program's rebuilds (Note [A run's child is forked ahead] in overmind.warm.children). tests/integration/test_steady_hits.py times the
 # ControlNet pattern's hits over fresh processes in a row; the bench's load-call scenarios
 # show each warm scenario's slowest run beside its median.
 # Note [A silent server is skipped for a while]
@@ -149,17 +151,34 @@ def _add_sys_path(paths: Iterable[str]) -> None:
             sys.path.append(path)
 
 
+# Note [A rebuild is not collected as it grows]
+# A rebuild makes tens of thousands of container objects (a module's dicts, its parameters) in
+# a few milliseconds. With the collector on, each 700 of them start a young collection and each
+# tenth of those scans everything the earlier loads of the process made: a ControlNet pipeline's
+# hit, after its VAE and ControlNets, spent a third of its time in one such collection. So the
+# collector pauses while an entry is rebuilt (if it was on); the objects are scanned once, by the
+# first young collection after it, as plain python's own slower load would have them scanned.
+
+
 def _rebuild(conn, reply, skeleton: bytes, references: dict, meta) -> Any:
     """The object of an entry (``reply``, and ``meta``, its LoadMeta, read once by the caller)."""
     from overmind.shared.segments.reductions import unpack
 
     _add_sys_path(meta.sys_path_extra)
     mappings = conn.map_segments(reply)
-    return unpack(skeleton, mappings, references=references)
+    paused = gc.isenabled()  # Note [A rebuild is not collected as it grows]
+    if paused:
+        gc.disable()
+    try:
+        return unpack(skeleton, mappings, references=references)
+    finally:
+        if paused:
+            gc.enable()
 
 
-def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] = None) -> Any:
-    """Rebuild an existing entry by key: an entry a hit refers to (its ``vae=vae`` arguments)."""
+def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] = None, rehearsal: bool = False) -> Any:
+    """Rebuild an existing entry by key: an entry a hit refers to (its ``vae=vae`` arguments);
+    ``rehearsal``: one counted as no hit (overmind.client.rehearsal)."""
     from overmind.shared import protocol as P
     from overmind.client.connection import LoadingConnection
     from overmind.shared.settings.config import Config
@@ -174,9 +193,9 @@ def fetch_entry(key: str, holder: Optional[list] = None, _seen: Optional[dict] =
     seen = {} if _seen is None else _seen
     if key in seen:
         return seen[key]
-    reply, skeleton = conn.load(P.Load(key, "", "reference", {}, lookup_only=True), b"")
+    reply, skeleton = conn.load(P.Load(key, "", "reference", {}, lookup_only=True, rehearsal=rehearsal), b"")
     meta = _meta(reply)
-    references = {k: fetch_entry(k, [conn], seen) for k in meta.references}
+    references = {k: fetch_entry(k, [conn], seen, rehearsal) for k in meta.references}
     obj = _rebuild(conn, reply, skeleton, references, meta)
     seen[key] = obj
     _remember(obj, key)

@@ -111,14 +111,9 @@ def program_id() -> str:
     """Who is loading, as Note [Prefetch] names it; "" for ``-c`` and the prompt."""
     global _program
     if _program is None:
-        argv0 = sys.argv[0] if sys.argv else ""
-        if not argv0 or argv0 == "-c" or not os.path.isfile(argv0):
-            _program = ""
-        else:
-            import xxhash
+        from overmind.shared.protocol.contexts import program_of
 
-            _program = xxhash.xxh3_128_hexdigest(
-                "\0".join((os.path.realpath(argv0), os.getcwd(), sys.executable)).encode())
+        _program = program_of(sys.argv[0] if sys.argv else "", os.getcwd())
     return _program
 
 

@@ -35,7 +35,7 @@ from overmind.shared import protocol as P
 from overmind.shared.settings.config import (LOG_FORMAT, PREPARE_VARIABLE, Config, ConfigError, ensure_private_dir,
                                     lock_within, open_runtime_file, read_runtime_file, write_runtime_file)
 from overmind.server.connections import Connections
-from overmind.server.loads import MAX_TEXT, Loads, check_modules, check_request, reply_error
+from overmind.server.loads import MAX_KEY, MAX_TEXT, Loads, check_modules, check_request, reply_error
 from overmind.server.options import parse as parse_options
 from overmind.server.pool import WarmPool, LoadFailure, context_from_wire, run_from_wire
 from overmind.server.pressure import Guard
@@ -47,6 +47,7 @@ from overmind.server.state import StateKeeper
 from overmind.server.warm_process import RunRefused
 from overmind.shared.calls.compiled import packages_from_wire
 from overmind.shared.protocol.contexts import Context, environment_from_wire
+from overmind.shared.protocol.connect import EXIT_ALREADY_RUNNING
 
 logger = logging.getLogger("overmind.server.daemon")
 
@@ -60,7 +61,6 @@ class AlreadyRunning(ConfigError):
     """Another server owns this runtime dir (exit status EXIT_ALREADY_RUNNING)."""
 
 
-EXIT_ALREADY_RUNNING = 75  # systemd: RestartPreventExitStatus=75
 
 
 class Server:
@@ -262,7 +262,9 @@ class Server:
             packages = packages_from_wire(message.packages)  # Note [AOTInductor packages are handed over]
             if message.plain:  # Note [When a warm start applies] in overmind.client.warm_start
                 self.pool.goes_plain(context, pid, message.plain[:MAX_TEXT])
-            threading.Thread(target=self.pool.prepare, args=(context, modules, packages, env), daemon=True,
+            program = message.program if isinstance(message.program, str) and len(message.program) <= MAX_KEY \
+                and message.program.isalnum() else ""  # Note [A run's child is forked ahead] in overmind.warm.children
+            threading.Thread(target=self.pool.prepare, args=(context, modules, packages, env, program), daemon=True,
                              name="overmind-prepare").start()
             P.send_message(conn, P.Ok())
         elif isinstance(message, P.PlainLoaded):  # no answer: the client does not wait for one
@@ -473,7 +475,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         server.startup()
     except (ConfigError, OSError) as err:
-        logger.error("cannot start: %s", err)
+        if isinstance(err, AlreadyRunning):  # a lost race between two starters: nothing went wrong
+            logger.info("not starting: %s", err)
+        else:
+            logger.error("cannot start: %s", err)
         status = EXIT_ALREADY_RUNNING if isinstance(err, AlreadyRunning) else 1
         if ready_write >= 0:
             os.write(ready_write, f"error {status} {err}\n".encode())

@@ -67,6 +67,8 @@ def check_request(request: P.Load) -> None:
         raise LoadFailure(P.ErrorCode.BAD_REQUEST, "modules must be names")
     if len(request.target) > MAX_TEXT or len(request.description) > MAX_TEXT:
         raise LoadFailure(P.ErrorCode.BAD_REQUEST, f"target or description over {MAX_TEXT} characters")
+    if request.rehearsal is not False and not (request.rehearsal is True and request.lookup_only):
+        raise LoadFailure(P.ErrorCode.BAD_REQUEST, "a rehearsal is a lookup")
     if not request.lookup_only:
         context_from_wire(request.context)
 
@@ -147,8 +149,9 @@ class Loads:
         if request.program and not request.lookup_only:
             self.history.record(request.program, pid, request.key)  # Note [Prefetch] in overmind.client.prefetch
         # Note [Cold fills yield to their caller] in overmind.server.fills
-        admission = self.fills.admit(request.key, lookup_only=request.lookup_only, background=not request.wait,
-                                     caller=pid)
+        # Note [A run's child is forked ahead] in overmind.warm.children: a rehearsal counts no hit
+        admission = self.fills.admit(request.key, lookup_only=request.lookup_only, count=not request.rehearsal,
+                                     background=not request.wait, caller=pid)
         if admission.reply is not None:
             return self._send_entry(conn, admission.reply, hit=True)
         if admission.busy:

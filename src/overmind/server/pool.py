@@ -99,12 +99,15 @@ class WarmPool:
                 if not interpreter.retired and interpreter.alive:
                     P.send_message(interpreter.sock, P.Warm([], packages=list(packages)))
 
-    def prepare(self, context: Context, modules: list = (), packages: list = (), env: dict | None = None) -> None:
+    def prepare(self, context: Context, modules: list = (), packages: list = (), env: dict | None = None,
+                program: str = "") -> None:
         """Have a ready interpreter for ``context`` (clients ask right after monkey_patch_all()),
         and have it import ``modules``, which a client of it imported (Note [Warm interpreters
         learn] in overmind.warm.interpreter), and preload ``packages`` (Note [AOTInductor packages
         are handed over] in overmind.shared.calls.compiled). ``env``: a run's whole environment, for a
-        new interpreter to import under (Note [A run's interpreter imports under the run's environment])."""
+        new interpreter to import under (Note [A run's interpreter imports under the run's environment]).
+        ``program``: the client's, whose next run the interpreter forks ahead (Note [A run's child is
+        forked ahead] in overmind.warm.children)."""
         if self.holding_back():
             return logger.info("not starting a warm interpreter for context %s: memory is short", context.key)
         try:
@@ -120,8 +123,8 @@ class WarmPool:
                     if not interpreter.ready and not interpreter.retired:
                         interpreter._wait_ready()
                     tainted = interpreter.take_notice()
-                    if modules and not interpreter.retired and not tainted:
-                        P.send_message(interpreter.sock, P.Warm(list(modules)))
+                    if (modules or program) and not interpreter.retired and not tainted:
+                        P.send_message(interpreter.sock, P.Warm(list(modules), program=program))
                 # Note [A tainted interpreter says so at once] in overmind.warm.interpreter: its successor
                 # starts now, under the same environment, and learns what it learned but the refused.
                 if not tainted or not self.interpreters.retire_unforkable(interpreter, interpreter.unforkable):

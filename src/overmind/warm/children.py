@@ -11,12 +11,37 @@ A run's child writes, at its exit, the installed modules it imported to a pipe (
 interpreters learn] in overmind.warm.interpreter); its front end's connection tells us when
 the front end is gone (then so is the run), and gets ``RunStarted`` and ``RunExited``.
 ``in_child`` is the interpreter's: what a child closes of its parent's right after the fork.
+
+    children.expect(program)                 # a program ran in this context (a Warm says so)
+    if children.ahead: children.fork_spare(in_child)   # idle: the next run's child, ahead
+    children.drop_spare()                    # the interpreter is about to change what it holds
+
+Note [A run's child is forked ahead]
+A run forked from a warm interpreter begins its loads within milliseconds of the fork, and its
+first hits paid for everything they touched first: each page of the interpreter's they wrote
+(reference counts, allocator pools, the bytecode specialised on first calls) a copy-on-write
+fault, some 4,000 for the ControlNet pattern's four loads, and its hits took twice what the same
+hits take later in the same process (``benchmarks/results`` and the load-call scenarios:
+``overmind-bench --scenarios controlnet``). So once a run has ended and the interpreter is idle,
+it forks the next run's child ahead (``fork_spare``); the spare rebuilds and drops what the last
+run's program loaded (overmind.client.rehearsal, a lookup the server counts as no hit) under
+SCHED_IDLE where that can be lifted, and waits. The next run is handed to it (``Fork`` on its
+socket, with the run's stdio and pipes) and it becomes the run as a fresh child does, its
+caller's ``oom_score_adj`` taken by itself (Note [The cache dies first] in overmind.warm.oom:
+the lowest it may set is its parent's). A spare the interpreter's holdings moved past (it
+imported, indexed or primed since the fork: ``drop_spare``), one not ready when its run comes,
+one whose rehearsal imported a module (named back, for the interpreter to learn; the run would
+hold code the interpreter never checked: Note [Warm interpreters] in overmind.warm.interpreter)
+or said something (a warning or log record the run would then never show) is killed, and the
+run is forked as before. What a run can tell: its CPU time and start time include the
+rehearsal's.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import signal
 import socket
@@ -25,12 +50,16 @@ from typing import Callable
 
 from overmind.shared import protocol as P
 from overmind.warm import pytest_runs
+from overmind.warm import oom
 from overmind.warm.oom import CannotMatch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Children"]
 
 MAX_REPORT = 4 << 20  # bytes of a run's module report
 MAX_REASON = 4096  # bytes of a child's reason for not taking on its caller's traits
+MAX_SPARE_WORD = 1 << 20  # bytes of a spare's word when its rehearsal ended
 
 
 class _RunChild:
@@ -41,25 +70,97 @@ class _RunChild:
         self.front_end_gone = False
 
 
+class _Spare:
+    def __init__(self, pid: int, sock: socket.socket, program: str) -> None:
+        self.pid = pid
+        self.program = program
+        self.sock = sock  # ours: its word when rehearsed, then the run it becomes
+        self.word = bytearray()
+        self.ready = False
+
+
 class Children:
     def __init__(self) -> None:
         self.runs: dict[int, _RunChild] = {}
         self.loads: set[int] = set()
+        self.spare: _Spare | None = None  # Note [A run's child is forked ahead]
+        self.ahead: str | None = None  # the program whose next run to fork ahead, while none is
 
     def busy(self) -> bool:
         return bool(self.runs or self.loads)
 
     def watched(self) -> list:
-        """What to select on for them: each run's front end, and its module report until read."""
+        """What to select on for them: each run's front end, its module report until read, and
+        the spare until it is ready."""
+        spare = [self.spare.sock] if self.spare is not None and not self.spare.ready else []
         return [c.conn for c in self.runs.values() if not c.front_end_gone] + \
-            [c.report for c in self.runs.values() if c.report >= 0]
+            [c.report for c in self.runs.values() if c.report >= 0] + spare
 
-    def readable(self, ready: list) -> None:
+    def readable(self, ready: list) -> list:
+        """Read what came; the modules a spare's rehearsal imported (for the interpreter to learn)."""
         for pid, child in list(self.runs.items()):
             if child.report >= 0 and child.report in ready:
                 _read_report(child)
             if child.conn in ready and not child.front_end_gone:
                 _front_end_gone(pid, child)
+        spare = self.spare
+        if spare is None or spare.ready or spare.sock not in ready:
+            return []
+        try:
+            chunk = spare.sock.recv(65536)
+        except OSError:
+            chunk = b""
+        spare.word += chunk
+        if chunk and not spare.word.endswith(b"\n") and len(spare.word) < MAX_SPARE_WORD:
+            return []
+        try:
+            word = json.loads(bytes(spare.word)) if chunk else None
+        except ValueError:
+            word = None
+        if isinstance(word, dict) and word.get("pristine") is True and not word.get("imported"):
+            spare.ready = True
+            logger.debug("the next run's child %d is ready", spare.pid)
+            return []
+        logger.debug("the next run's child %d is not used: %s", spare.pid, bytes(spare.word[:200]))
+        self.drop_spare(again=False)
+        imported = word.get("imported") if isinstance(word, dict) else None
+        return [n for n in imported if isinstance(n, str)] if isinstance(imported, list) else []
+
+    def expect(self, program: object) -> None:
+        """``program`` ran in this context: fork its next run's child ahead, once idle."""
+        if isinstance(program, str) and program:
+            self.ahead = program
+
+    def fork_spare(self, in_child: Callable[[], None]) -> None:
+        """Note [A run's child is forked ahead]: fork the next run's child now, to rehearse ``self.ahead``."""
+        self.drop_spare(again=False)
+        program, self.ahead = self.ahead or "", None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        gc.freeze()  # Note [Frozen before forking] in overmind.warm.interpreter
+        pid = os.fork()
+        if pid == 0:
+            try:
+                in_child()
+                ours.close()
+                _spare_main(theirs, program)
+            finally:
+                os._exit(1)
+        theirs.close()
+        self.spare = _Spare(pid, ours, program)
+        logger.debug("forked the next run's child %d ahead, to rehearse %s", pid, program[:16] or "nothing")
+
+    def drop_spare(self, again: bool = True) -> None:
+        """Kill the spare, if any (reap() reaps it); ``again``: fork another once idle."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return
+        if again:
+            self.ahead = self.ahead or spare.program
+        try:
+            os.kill(spare.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        spare.sock.close()
 
     def reap(self) -> list[list]:
         """Reap what ended, telling each run's front end its status; the module lists they reported."""
@@ -72,6 +173,9 @@ class Children:
             if pid == 0:
                 return reported
             self.loads.discard(pid)
+            if self.spare is not None and pid == self.spare.pid:
+                self.spare.sock.close()
+                self.spare = None
             child = self.runs.pop(pid, None)
             if child is None:
                 continue
@@ -157,19 +261,19 @@ class Children:
             raise CannotMatch(why)
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         matched_r, matched_w = os.pipe2(os.O_CLOEXEC)
-        gc.freeze()  # Note [Frozen before forking] in overmind.warm.interpreter
-        pid = os.fork()
+        pid = self._hand_to_spare(fork, [stdin, stdout, stderr, report_w, matched_w])
+        if pid < 0:
+            gc.freeze()  # Note [Frozen before forking] in overmind.warm.interpreter
+            pid = os.fork()
+        if pid > 0:
+            self.expect(_program(fork.spec))
         if pid == 0:
             try:
                 in_child()
                 conn.close()
                 os.close(report_r)
                 os.close(matched_r)
-                _take_on_caller(fork.spec, matched_w)
-                _report_modules_at_exit(report_w)
-                from overmind.warm.script import become
-
-                become(fork.spec, stdin, stdout, stderr)
+                _become_run(fork.spec, stdin, stdout, stderr, report_w, matched_w)
             finally:
                 os._exit(1)
         os.close(matched_w)
@@ -191,12 +295,96 @@ class Children:
             pass
         return pid
 
+    def _hand_to_spare(self, fork: P.Fork, fds: list[int]) -> int:
+        """The spare's pid, now running ``fork`` (Note [A run's child is forked ahead]); -1 when
+        there is no spare ready (one that was not is killed)."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return -1
+        if spare.ready:
+            try:
+                spare.sock.settimeout(5.0)
+                P.send_message(spare.sock, fork, fds=fds)
+                spare.sock.close()
+                logger.debug("run handed to the child %d forked ahead", spare.pid)
+                return spare.pid
+            except OSError:
+                pass  # it died: the run is forked afresh
+        self.spare = spare
+        self.drop_spare(again=False)
+        return -1
+
     def close_in_child(self) -> None:
         """In a freshly forked child: the fds of its siblings are not its own."""
         for child in self.runs.values():
             child.conn.close()
             if child.report >= 0:
                 os.close(child.report)
+        if self.spare is not None:
+            self.spare.sock.close()
+            self.spare = None
+
+
+def _program(spec: object) -> str:
+    """The program (Note [Prefetch] in overmind.client.prefetch) a script's run spec names; "" for others."""
+    if not isinstance(spec, dict) or spec.get("mode") != "script":
+        return ""
+    target, cwd = spec.get("target"), spec.get("cwd")
+    if not (isinstance(target, str) and isinstance(cwd, str)):
+        return ""
+    from overmind.shared.protocol.contexts import program_of
+
+    return program_of(target, cwd)
+
+
+def _become_run(spec: dict, stdin: int, stdout: int, stderr: int, report_w: int, matched_w: int) -> None:
+    """In a run's child (forked now, or ahead): become the caller's process and run ``spec``."""
+    _take_on_caller(spec, matched_w)
+    _report_modules_at_exit(report_w)
+    from overmind.warm.script import become
+
+    become(spec, stdin, stdout, stderr)
+
+
+def _spare_main(sock: socket.socket, program: str) -> None:
+    """The spare: rehearse, say so, and become the run that comes (Note [A run's child is forked ahead])."""
+    from overmind.api import rehearse_program  # the interpreter holds it (prepare_hit_path)
+    from overmind.shared.process import priority
+
+    before = set(sys.modules)
+    lifted = priority.can_lift_idle()
+    pristine = False
+    try:
+        if lifted:
+            priority.to_idle(0)
+        pristine = rehearse_program(program)
+    except Exception:  # noqa: BLE001 - a spare that did not rehearse is one the interpreter kills
+        pass
+    finally:
+        if lifted:
+            priority.to_normal(0)
+    imported = [n for n in sys.modules if n not in before]
+    sock.sendall(json.dumps({"pristine": pristine, "imported": imported}).encode() + b"\n")
+    if imported or not pristine:
+        return
+    sock.settimeout(None)
+    try:
+        message, _, fds = P.recv_message(sock)
+    except (EOFError, OSError, P.ProtocolError):
+        return  # the interpreter is gone, or killed us first
+    if not isinstance(message, P.Fork) or len(fds) != 5:
+        P.close_fds(fds)
+        return
+    sock.close()
+    stdin, stdout, stderr, report_w, matched_w = fds
+    score = message.spec.get("oom_score_adj") if isinstance(message.spec, dict) else None
+    if isinstance(score, int):
+        try:
+            oom.take_score(score)
+        except CannotMatch as err:
+            os.write(matched_w, str(err).encode(errors="replace")[:MAX_REASON])
+            return
+    _become_run(message.spec, stdin, stdout, stderr, report_w, matched_w)
 
 
 def _take_on_caller(spec: dict, matched_w: int) -> None:

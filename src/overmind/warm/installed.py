@@ -9,13 +9,14 @@ run) and overmind.warm.interpreter. Standard library only.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import site
 import sys
 import sysconfig
 from typing import Iterable
 
-__all__ = ["installed_modules", "installed_prefixes", "RUN_FOLDERS"]
+__all__ = ["installed_modules", "installed_prefixes", "installed_importable", "RUN_FOLDERS"]
 
 # The folder a run put at sys.path[0] (its script's, or the cwd): the user's, set by overmind.warm.script.
 RUN_FOLDERS: list[str] = []
@@ -97,3 +98,21 @@ def installed_modules(prefixes: tuple[str, ...] | None = None, *, exclude: Itera
         if paths is None or (paths and all(is_installed(p) for p in paths)):
             names.append(name)
     return names
+
+
+def installed_importable(name: str) -> bool:
+    """Is ``name`` importable from an installed location (never the user's code)?"""
+    top = name.partition(".")[0]
+    if top != name and top not in sys.modules and not installed_importable(top):
+        return False  # find_spec of a submodule imports its package: never one of the user's
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError, AttributeError):
+        return False
+    if spec is None:
+        return False
+    if spec.origin in ("built-in", "frozen"):
+        return True
+    paths = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
+    prefixes = [os.path.join(os.path.realpath(p), "") for p in installed_prefixes()]
+    return bool(paths) and all(os.path.realpath(p).startswith(tuple(prefixes)) for p in paths)

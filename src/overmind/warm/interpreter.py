@@ -72,7 +72,6 @@ loads in flight (their results have nowhere to go); runs keep going even then.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import os
 import select
@@ -87,6 +86,7 @@ from overmind.shared.calls.compiled import USED as INDUCTOR_USED
 from overmind.warm.children import Children
 from overmind.warm.compiled import PRIMING, Priming, compile_stack_held, forget_isa_list
 from overmind.warm.fork_safety import ThreadCensus, Refused, cuda_note
+from overmind.warm.installed import installed_importable
 from overmind.warm import oom, pytest_runs
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,9 @@ NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # in INTERPRETERS_OWN: never compa
 # Seconds without a message from the server before a priming step starts: Note [Priming waits
 # for a pause] in overmind.warm.compiled.
 PRIME_AFTER_QUIET = 0.5
+# Seconds of quiet after a run before its successor's child is forked ahead: Note [A run's child
+# is forked ahead] in overmind.warm.children.
+AHEAD_AFTER_QUIET = 0.2
 
 
 class Holdings:
@@ -137,7 +140,7 @@ class Holdings:
             # Note [Settings an import read] in overmind.shared.settings.import_env; find_spec imports the parent package
             with recording(self.reads), self.census.watching(self.refused_modules, name) as watch:
                 try:
-                    installed = _installed(name)
+                    installed = installed_importable(name)
                     if installed:
                         importlib.import_module(name)
                 except BaseException as err:  # noqa: BLE001 - a module that fails here costs the run an import
@@ -318,24 +321,27 @@ class WarmInterpreter:
             # Nothing more to learn once retiring or unforkable (Note [A tainted interpreter says so at once]).
             idle = self.retiring or bool(self.unforkable)
             busy = not idle and (self.to_learn or self.to_preload or (priming and pause_in <= 0))
-            timeout = None if idle else 0 if busy else pause_in if priming else None
+            ahead = self.children.ahead is not None and not (idle or busy or priming or self.children.busy())
+            timeout = None if idle else 0 if busy else pause_in if priming else AHEAD_AFTER_QUIET if ahead else None
             try:
                 ready, _, _ = select.select(watched, [], [], timeout)
             except InterruptedError:
                 continue
             if self.wakeup_r in ready:
                 self._drain_wakeup()
+            loads = len(self.children.loads)
             for names in self.children.reap():
                 self._to_learn(names)
-            self.children.readable(ready)
+            if len(self.children.loads) < loads:  # a fill ended: the child forked ahead rehearsed without it
+                self.children.drop_spare()
+            self._to_learn(self.children.readable(ready))
             if self.control in ready:
                 self._control()
-            elif busy and self.to_learn:
-                self._learn_one()
-            elif busy and self.to_preload:
-                self._preload_one()
             elif busy:
-                self._prime_step()
+                self.children.drop_spare()  # Note [A run's child is forked ahead] in overmind.warm.children
+                self._learn_one() if self.to_learn else self._preload_one() if self.to_preload else self._prime_step()
+            elif ahead and not ready and not self.held.why_not_forkable():
+                self.children.fork_spare(self._in_child)
 
     def _drain_wakeup(self) -> None:
         try:
@@ -356,6 +362,7 @@ class WarmInterpreter:
         """Import ``names``, and what was queued before them, now, at our current priority."""
         if not names:
             return
+        self.children.drop_spare()  # Note [A run's child is forked ahead] in overmind.warm.children
         last = max(self.to_learn.index(n) for n in names)
         now, self.to_learn = self.to_learn[:last + 1], self.to_learn[last + 1:]
         started = time.monotonic()
@@ -393,6 +400,7 @@ class WarmInterpreter:
             return  # the thread ended meanwhile
         self.unforkable = why
         self.to_learn.clear()
+        self.children.drop_spare()
         logger.info("cannot fork (%s): asking the server for a successor", why)
         P.send_message(self.control, P.Unforkable(why, refused=sorted(self.held.refused_modules),
                                                   environ=self.held.news()))
@@ -404,10 +412,12 @@ class WarmInterpreter:
         except (EOFError, ConnectionResetError, P.ProtocolError):
             # The server died: loads have nowhere to send their result; runs go on (Note [Retiring never kills work]).
             self.children.kill_loads()
+            self.children.drop_spare()
             self.retiring = True
             return
         if isinstance(message, P.Retire):
             P.close_fds(fds)
+            self.children.drop_spare()
             self.retiring = True
             return
         if isinstance(message, P.Warm):  # a client's imports, as they happen: Note [Warm interpreters learn]
@@ -415,6 +425,7 @@ class WarmInterpreter:
             self.held.refused_modules.update(n for n in message.refused if isinstance(n, str))
             self._to_learn(message.modules)
             self._to_preload(message.packages)
+            self.children.expect(message.program)  # Note [A run's child is forked ahead] in overmind.warm.children
             return
         expected = 1 if isinstance(message, P.Job) else 4 if isinstance(message, P.Fork) else -1
         if len(fds) != expected:
@@ -557,27 +568,6 @@ def _drop_orphans(before: set) -> None:
         parts = name.split(".")
         if any(".".join(parts[:i]) not in sys.modules for i in range(1, len(parts))):
             del sys.modules[name]
-
-
-def _installed(name: str) -> bool:
-    """Is ``name`` importable from an installed location (never the user's code)?"""
-    from overmind.warm.installed import installed_prefixes
-
-    top = name.partition(".")[0]
-    if top != name and top not in sys.modules and not _installed(top):
-        return False  # find_spec of a submodule imports its package: never one of the user's
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError, AttributeError):
-        return False
-    if spec is None:
-        return False
-    if spec.origin in ("built-in", "frozen"):
-        return True
-    paths = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
-    prefixes = [os.path.join(os.path.realpath(p), "") for p in installed_prefixes()]
-    return bool(paths) and all(os.path.realpath(p).startswith(tuple(prefixes)) for p in paths)
-
 
 
 def interpreter_main(control_fd: int) -> None:

@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CACHE_OOM_SCORE_ADJ", "CannotMatch", "as_caller", "cache_first", "own_score"]
+__all__ = ["CACHE_OOM_SCORE_ADJ", "CannotMatch", "as_caller", "cache_first", "own_score", "take_score"]
 
 CACHE_OOM_SCORE_ADJ = 1000
 _PATH = "/proc/self/oom_score_adj"
@@ -44,6 +44,18 @@ def own_score() -> Optional[int]:
 def _set(value: int) -> None:
     with open(_PATH, "w") as f:
         f.write(str(value))
+
+
+def take_score(score: int) -> None:
+    """This process at ``score`` for good (a run's child forked ahead: Note [A run's child is forked
+    ahead] in overmind.warm.children), or CannotMatch."""
+    if score == own_score():
+        return
+    try:
+        _set(score)
+    except OSError as err:
+        raise CannotMatch(f"cannot give the run its caller's oom_score_adj {score} ({err.strerror}): "
+                          "a warm child would be the OOM killer's first pick") from None
 
 
 def cache_first() -> None:

@@ -150,7 +150,7 @@ def any_held() -> bool:
     return bool(_loaded)
 
 
-# Reported like a module name; no interpreter can import it (``_installed`` finds no such module).
+# Reported like a module name; no interpreter can import it (``overmind.warm.installed.installed_importable`` finds no such module).
 USED = "torch._inductor:probed"
 
 

@@ -36,6 +36,8 @@ __all__ = ["Connection", "ServerUnavailable", "StaleConnection", "handshake", "s
            "START_TIMEOUT"]
 
 START_TIMEOUT = 30.0
+# overmind-server's exit status when another server holds the runtime dir (systemd: RestartPreventExitStatus=75)
+EXIT_ALREADY_RUNNING = 75
 
 
 class ServerUnavailable(ConnectionError):
@@ -131,6 +133,8 @@ def start_server(config: Config, timeout: float = START_TIMEOUT, wait: bool = Tr
             logger.info("starting overmind-server in %s", config.runtime_dir)
             proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                   timeout=timeout, cwd="/")
+            if proc.returncode == EXIT_ALREADY_RUNNING and _wait_for_socket(config, timeout):
+                return  # a server started without the lock (``wait=False``) won the race: it is ours too
             if proc.returncode != 0:
                 # The last line (the exception) first: the fallback warning shows only a first line.
                 lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]

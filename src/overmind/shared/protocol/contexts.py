@@ -95,6 +95,17 @@ def in_warm_run() -> bool:
     return _warm_run
 
 
+def program_of(argv0: str, cwd: str) -> str:
+    """The program (Note [Prefetch] in overmind.client.prefetch) of a process of this interpreter
+    with ``sys.argv[0]`` and cwd ``cwd``: "" for ``-c`` and the prompt."""
+    if not argv0 or argv0 == "-c" or not os.path.isfile(os.path.join(cwd, argv0)):
+        return ""
+    import xxhash
+
+    path = os.path.realpath(os.path.join(cwd, argv0))
+    return xxhash.xxh3_128_hexdigest("\0".join((path, cwd, sys.executable)).encode())
+
+
 def caller_context(python: str | None = None, load: bool = True) -> dict:
     """This process's context on the wire; a load's also carries its cwd and sys.path (the
     loader runs there). ``python``: another interpreter (``overmind run --python``)."""

@@ -53,6 +53,8 @@ class Load(Message):
     modules: list = []  # modules the call needs, learned by the warm interpreter for later loads
     wait: bool = True  # on a miss, wait for the load; False: answer Pending at once
     program: str = ""  # the calling program (script, cwd, interpreter): Note [Prefetch] in overmind.client.prefetch
+    # a lookup that is no client's hit: Note [A run's child is forked ahead] in overmind.warm.children
+    rehearsal: bool = False
 
 
 @message
@@ -206,6 +208,7 @@ class Prepare(Message):
     # Why a script's monkey_patch_all() runs it in its own process, for the server's log (Note
     # [When a warm start applies] in overmind.client.warm_start); "": it did not decline.
     plain: str = ""
+    program: str = ""  # Note [Prefetch] in overmind.client.prefetch: its run's child is forked ahead
 
 
 # -- overmind run: front end <-> server <-> warm interpreter ----------------------
@@ -254,6 +257,8 @@ class Warm(Message):
     modules: list
     refused: list = []  # never to import: they started a thread (Note [Threads libraries start])
     packages: list = []  # AOTInductor packages to preload (Note [AOTInductor packages are handed over] in overmind.shared.calls.compiled)
+    # a program that ran in this context: Note [A run's child is forked ahead] in overmind.warm.children
+    program: str = ""
 
 
 @message
