@@ -4,7 +4,9 @@ ahead of its run (Note [A run's child is forked ahead] in overmind.warm.children
     pristine = rehearse(program)    # False: something spoke (a warning, a log record)
 
 Each entry is looked up as a reference is (``fetch_entry``), marked as a rehearsal, so the server
-counts no hit and records nothing for the program; nothing is kept. What the rebuild touches
+counts no hit, records nothing for the program and takes no file as handed to it (Note [Reading
+back a lost file] in overmind.client.prefetch: the run this child becomes says so itself); nothing
+is kept. What the rebuild touches
 for the first time, it touches here: the interpreter's pages the child writes to (reference
 counts, allocator pools, specialised bytecode), each a copy-on-write fault, and the first calls
 of the rebuild's code. A warning or log record the rehearsal caused would be one the run never
@@ -42,7 +44,7 @@ def rehearse(program: str) -> bool:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # recorded, never shown, and no registry written
-            reply = conn.simple(P.Prefetch(program), P.PrefetchReply)
+            reply = conn.simple(P.Prefetch(program, rehearsal=True), P.PrefetchReply)
             for item in reply.entries[:MAX_ENTRIES]:
                 if isinstance(item, list) and item and isinstance(item[0], str):
                     fetch_entry(item[0], [conn], rehearsal=True)

@@ -270,7 +270,9 @@ class Server:
         elif isinstance(message, P.PlainLoaded):  # no answer: the client does not wait for one
             self.loads.plain_loaded(message)
         elif isinstance(message, P.Prefetch):
-            self.settler.handed_to_prefetch(self.loads.prefetch(conn, message, pid), message.importing)
+            handed = self.loads.prefetch(conn, message, pid)
+            if message.rehearsal is not True:  # Note [A run's child is forked ahead] in overmind.warm.children
+                self.settler.handed_to_prefetch(handed, message.importing)
         elif isinstance(message, P.Shutdown):
             P.send_message(conn, P.Ok())
             logger.info("shutdown requested by pid %d", pid)

@@ -79,6 +79,9 @@ class Prefetch(Message):
     # the client still imports (not a forked ``overmind run``): it reads back lost files meanwhile
     # (Note [Settling file segments] in overmind.server.settle)
     importing: bool = False
+    # a child forked ahead asks (Note [A run's child is forked ahead] in overmind.warm.children): no
+    # program was handed the files yet
+    rehearsal: bool = False
 
 
 @message
