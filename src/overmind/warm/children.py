@@ -13,28 +13,29 @@ the front end is gone (then so is the run), and gets ``RunStarted`` and ``RunExi
 ``in_child`` is the interpreter's: what a child closes of its parent's right after the fork.
 
     children.expect(program)                 # a program ran in this context (a Warm says so)
-    if children.ahead: children.fork_spare(in_child)   # idle: the next run's child, ahead
+    if children.wants_spare(): children.fork_spare(in_child)   # idle: the next run's child, ahead
     children.drop_spare()                    # the interpreter is about to change what it holds
 
 Note [A run's child is forked ahead]
 A run forked from a warm interpreter begins its loads within milliseconds of the fork, and its
 first hits paid for everything they touched first: each page of the interpreter's they wrote
 (reference counts, allocator pools, the bytecode specialised on first calls) a copy-on-write
-fault, some 4,000 for the ControlNet pattern's four loads, and its hits took twice what the same
-hits take later in the same process (``benchmarks/results`` and the load-call scenarios:
-``overmind-bench --scenarios controlnet``). So once a run has ended and the interpreter is idle,
-it forks the next run's child ahead (``fork_spare``); the spare rebuilds and drops what the last
-run's program loaded (overmind.client.rehearsal, a lookup the server counts as no hit) under
-SCHED_IDLE where that can be lifted, and waits. The next run is handed to it (``Fork`` on its
-socket, with the run's stdio and pipes) and it becomes the run as a fresh child does, its
-caller's ``oom_score_adj`` taken by itself (Note [The cache dies first] in overmind.warm.oom:
-the lowest it may set is its parent's). A spare the interpreter's holdings moved past (it
-imported, indexed or primed since the fork: ``drop_spare``), one not ready when its run comes,
-one whose rehearsal imported a module (named back, for the interpreter to learn; the run would
-hold code the interpreter never checked: Note [Warm interpreters] in overmind.warm.interpreter)
-or said something (a warning or log record the run would then never show) is killed, and the
-run is forked as before. What a run can tell: its CPU time and start time include the
-rehearsal's.
+fault, thousands for the ControlNet pattern's four loads, and those hits took about twice what
+the same hits take later in the same process (``overmind-bench --scenarios controlnet``
+measures them). So once a run has ended and the interpreter is idle, it forks the next run's
+child ahead (``fork_spare``); the spare rebuilds and drops what the last run's program loaded
+(overmind.client.rehearsal, a lookup the server counts as no hit) under SCHED_IDLE where that
+can be lifted, and waits. The next run is handed to it (``Fork`` on its socket, with the run's
+stdio and pipes) and it becomes the run as a fresh child does, its caller's ``oom_score_adj``
+taken by itself (Note [The cache dies first] in overmind.warm.oom: the lowest it may set is its
+parent's). A run that comes while the spare still rehearses is forked afresh, and the spare is
+kept for the run after (it yields the CPU to that run meanwhile). A spare the interpreter's
+holdings moved past (it imported, indexed or primed since the fork, or a fill ended:
+``drop_spare``), one whose rehearsal imported a module (named back, for the interpreter to
+learn; the run would hold code the interpreter never checked: Note [Warm interpreters] in
+overmind.warm.interpreter) or said something (a warning or log record the run would then never
+show) is killed, and runs are forked as before. What a run can tell: its CPU time and start
+time include the rehearsal's.
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ class Children:
         self.drop_spare(again=False)
         imported = word.get("imported") if isinstance(word, dict) else None
         return [n for n in imported if isinstance(n, str)] if isinstance(imported, list) else []
+
+    def wants_spare(self) -> bool:
+        return self.ahead is not None and self.spare is None
 
     def expect(self, program: object) -> None:
         """``program`` ran in this context: fork its next run's child ahead, once idle."""
@@ -265,8 +269,6 @@ class Children:
         if pid < 0:
             gc.freeze()  # Note [Frozen before forking] in overmind.warm.interpreter
             pid = os.fork()
-        if pid > 0:
-            self.expect(_program(fork.spec))
         if pid == 0:
             try:
                 in_child()
@@ -286,6 +288,7 @@ class Children:
             os.waitpid(pid, 0)
             raise CannotMatch(why)
         P.close_fds([stdin, stdout, stderr, report_w])
+        self.expect(_program(fork.spec))  # Note [A run's child is forked ahead]
         os.set_blocking(report_r, False)
         self.runs[pid] = _RunChild(conn, report_r)
         try:
@@ -297,22 +300,21 @@ class Children:
 
     def _hand_to_spare(self, fork: P.Fork, fds: list[int]) -> int:
         """The spare's pid, now running ``fork`` (Note [A run's child is forked ahead]); -1 when
-        there is no spare ready (one that was not is killed)."""
-        spare, self.spare = self.spare, None
-        if spare is None:
+        there is no spare ready (one still rehearsing is kept for the run after)."""
+        spare = self.spare
+        if spare is None or not spare.ready:
             return -1
-        if spare.ready:
-            try:
-                spare.sock.settimeout(5.0)
-                P.send_message(spare.sock, fork, fds=fds)
-                spare.sock.close()
-                logger.debug("run handed to the child %d forked ahead", spare.pid)
-                return spare.pid
-            except OSError:
-                pass  # it died: the run is forked afresh
-        self.spare = spare
-        self.drop_spare(again=False)
-        return -1
+        self.spare = None
+        try:
+            spare.sock.settimeout(5.0)
+            P.send_message(spare.sock, fork, fds=fds)
+            spare.sock.close()
+            logger.debug("run handed to the child %d forked ahead", spare.pid)
+            return spare.pid
+        except OSError:  # it died: the run is forked afresh
+            self.spare = spare
+            self.drop_spare(again=False)
+            return -1
 
     def close_in_child(self) -> None:
         """In a freshly forked child: the fds of its siblings are not its own."""
@@ -326,15 +328,36 @@ class Children:
 
 
 def _program(spec: object) -> str:
-    """The program (Note [Prefetch] in overmind.client.prefetch) a script's run spec names; "" for others."""
-    if not isinstance(spec, dict) or spec.get("mode") != "script":
-        return ""
-    target, cwd = spec.get("target"), spec.get("cwd")
-    if not (isinstance(target, str) and isinstance(cwd, str)):
-        return ""
+    """The program (Note [Prefetch] in overmind.client.prefetch) of the run ``spec`` describes: its
+    script, or the file ``-m`` runs (found without importing anything); "" for ``-c``."""
     from overmind.shared.protocol.contexts import program_of
 
-    return program_of(target, cwd)
+    mode, target, cwd = (spec.get(k) for k in ("mode", "target", "cwd")) if isinstance(spec, dict) else (None,) * 3
+    if not (isinstance(target, str) and isinstance(cwd, str)):
+        return ""
+    try:
+        return program_of(target if mode == "script" else _module_file(target, cwd) if mode == "module" else "", cwd)
+    except (OSError, ImportError, ValueError):
+        return ""
+
+
+def _module_file(name: str, cwd: str) -> str:
+    """What ``python -m name`` in ``cwd`` runs, as runpy names it in ``sys.argv[0]``: the module's
+    file, or its package's ``__main__``. Only folders are searched: no package is imported."""
+    from importlib.machinery import PathFinder
+
+    search, spec = [cwd, *sys.path], None
+    parts = name.split(".")
+    for i in range(len(parts)):
+        spec = PathFinder.find_spec(".".join(parts[:i + 1]), search)
+        if spec is None:
+            return ""
+        search = list(spec.submodule_search_locations or [])
+        if i < len(parts) - 1 and not search:
+            return ""
+    if search:  # a package
+        spec = PathFinder.find_spec(f"{name}.__main__", search)
+    return spec.origin if spec is not None and spec.origin else ""
 
 
 def _become_run(spec: dict, stdin: int, stdout: int, stderr: int, report_w: int, matched_w: int) -> None:

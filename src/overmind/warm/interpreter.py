@@ -103,7 +103,7 @@ NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # in INTERPRETERS_OWN: never compa
 PRIME_AFTER_QUIET = 0.5
 # Seconds of quiet after a run before its successor's child is forked ahead: Note [A run's child
 # is forked ahead] in overmind.warm.children.
-AHEAD_AFTER_QUIET = 0.2
+AHEAD_AFTER_QUIET = 0.05
 
 
 class Holdings:
@@ -321,7 +321,7 @@ class WarmInterpreter:
             # Nothing more to learn once retiring or unforkable (Note [A tainted interpreter says so at once]).
             idle = self.retiring or bool(self.unforkable)
             busy = not idle and (self.to_learn or self.to_preload or (priming and pause_in <= 0))
-            ahead = self.children.ahead is not None and not (idle or busy or priming or self.children.busy())
+            ahead = self.children.wants_spare() and not (idle or busy or priming or self.children.busy())
             timeout = None if idle else 0 if busy else pause_in if priming else AHEAD_AFTER_QUIET if ahead else None
             try:
                 ready, _, _ = select.select(watched, [], [], timeout)
