@@ -221,6 +221,31 @@ def test_the_cli_finds_and_stops_a_server_it_cannot_reach(server):
     assert "SIGTERM: shutting down" in server.log()
 
 
+def test_a_client_whose_server_lost_the_start_race_uses_the_winner(runtime_dir):
+    """The one line's first run starts a server detached (``wait=False``, no client lock) while its
+    prepare thread starts one too: the one that finds the other holding the runtime dir leaves,
+    which is no error, and a client whose server left connects to the winner."""
+    from overmind.shared.protocol.connect import start_server
+    from overmind.shared.settings.config import Config
+
+    env = child_env(OVERMIND_RUNTIME_DIR=str(runtime_dir))
+    config = Config.from_env(env)
+    log = runtime_dir / "server.log"
+    try:
+        start_server(config, wait=False)  # as `overmind run` and the one line's hand-over do
+        start_server(config)  # at once, as the prepare thread does: it raised when its server lost
+        wait_for(lambda: log.exists() and "not starting: another overmind-server" in log.read_text(), 30,
+                 "the server that lost the race to say so")
+        status = subprocess.run([sys.executable, "-m", "overmind", "status"], env=env, capture_output=True,
+                                text=True, timeout=60, cwd=REPO)
+        assert status.returncode == 0, status.stderr
+        assert " ERROR " not in log.read_text(), log.read_text()[-3000:]
+    finally:
+        subprocess.run([sys.executable, "-m", "overmind", "shutdown"], env=env, capture_output=True, timeout=60,
+                       cwd=REPO)
+        kill_all(runtime_dir)
+
+
 def test_a_server_started_while_the_last_one_still_holds_the_runtime_dir_waits_for_it(runtime_dir):
     """Note [One server per runtime directory]: the lock goes with the last of the old server's
     threads, which can be after `overmind shutdown` saw it gone. A new server waits LOCK_WAIT for

@@ -22,7 +22,7 @@ from overmind.shared import protocol as P
 
 HELLO_FRAME = (
     b"OVMD"  # magic
-    b"\x07\x00"  # protocol version 7
+    b"\x08\x00"  # protocol version 8
     b"\x01\x00"  # type 1: Hello
     b"\x40\x00\x00\x00"  # json_len 64
     b"\x00\x00\x00\x00\x00\x00\x00\x00"  # blob_len 0
@@ -30,12 +30,12 @@ HELLO_FRAME = (
 )
 
 LOAD_FIELDS = (b'{"context":{"cwd":"/"},"description":"f(1)","key":"k1","lookup_only":true,'
-               b'"modules":["torch"],"program":"p","refs":["r"],"target":"m:f","wait":false}')
+               b'"modules":["torch"],"program":"p","refs":["r"],"rehearsal":false,"target":"m:f","wait":false}')
 LOAD_FRAME = (
     b"OVMD"
-    b"\x07\x00"  # protocol version 7
+    b"\x08\x00"  # protocol version 8
     b"\x0a\x00"  # type 10: Load
-    b"\x95\x00\x00\x00"  # json_len 149
+    b"\xa7\x00\x00\x00"  # json_len 167
     b"\x04\x00\x00\x00\x00\x00\x00\x00"  # blob_len 4 (the blob follows the frame, sent separately)
     + LOAD_FIELDS
 )
@@ -51,14 +51,14 @@ def test_load_frame_with_blob_bytes_are_pinned():
                      lookup_only=True, modules=["torch"], wait=False, program="p")
     frame = P.encode_frame(message, b"BLOB")
     assert frame == LOAD_FRAME
-    assert len(LOAD_FIELDS) == 0x95
+    assert len(LOAD_FIELDS) == 0xa7
 
 
 def test_header_layout_is_pinned():
     assert P.HEADER.format == "<4sHHIQ"
     assert P.HEADER.size == 20
     assert P.MAGIC == b"OVMD"
-    assert P.PROTOCOL_VERSION == 7
+    assert P.PROTOCOL_VERSION == 8
 
 
 def test_message_type_codes_never_change():

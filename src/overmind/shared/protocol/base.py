@@ -11,7 +11,7 @@ __all__ = ["MAGIC", "PROTOCOL_VERSION", "HEADER", "MAX_JSON", "MAX_BLOB", "MAX_F
            "VersionMismatch", "Message", "message"]
 
 MAGIC = b"OVMD"
-PROTOCOL_VERSION = 7  # 7: FileContents, a loader's contents records after its answer
+PROTOCOL_VERSION = 8  # 8: rehearsals (Load, Prefetch) and a program in Prepare and Warm; 7: FileContents
 HEADER = struct.Struct("<4sHHIQ")
 MAX_JSON = 1 << 20  # 1 MiB of fields
 MAX_BLOB = 1 << 31  # 2 GiB: skeletons of very large pipelines (tokenizer vocabularies) stay well below
