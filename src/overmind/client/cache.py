@@ -82,9 +82,9 @@ _warn_lock = threading.Lock()
 # tells the server which files it was handed: Note [Reading back a lost file] in
 # overmind.client.prefetch); a replayed warning finds its module by name rather than by a pass
 # over every module (replay._module_of); and the run's child was forked ahead and rehearsed its
-# program's rebuilds (Note [A run's child is forked ahead] in overmind.warm.children). tests/integration/test_steady_hits.py times the
-# ControlNet pattern's hits over fresh processes in a row; the bench's load-call scenarios
-# show each warm scenario's slowest run beside its median.
+# program's rebuilds (Note [A run's child is forked ahead] in overmind.warm.children).
+# tests/integration/test_steady_hits.py times the ControlNet pattern's hits over fresh processes
+# in a row; the bench's load-call scenarios show each warm scenario's slowest run beside its median.
 # Note [A silent server is skipped for a while]
 # A server that cannot be reached or does not answer within OVERMIND_REPLY_TIMEOUT costs one
 # call that bound; the calls of the next SERVER_DOWN_BACKOFF seconds go straight to the

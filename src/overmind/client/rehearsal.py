@@ -6,10 +6,9 @@ ahead of its run (Note [A run's child is forked ahead] in overmind.warm.children
 Each entry is looked up as a reference is (``fetch_entry``), marked as a rehearsal, so the server
 counts no hit, records nothing for the program and takes no file as handed to it (Note [Reading
 back a lost file] in overmind.client.prefetch: the run this child becomes says so itself); nothing
-is kept. What the rebuild touches
-for the first time, it touches here: the interpreter's pages the child writes to (reference
-counts, allocator pools, specialised bytecode), each a copy-on-write fault, and the first calls
-of the rebuild's code. A warning or log record the rehearsal caused would be one the run never
+is kept. What the rebuild touches for the first time, it touches here: the interpreter's pages
+the child writes to (reference counts, allocator pools, specialised bytecode), each a
+copy-on-write fault, and the first calls of the rebuild's code. A warning or log record the rehearsal caused would be one the run never
 shows (a ``"once"`` warning, ``warning_once``), so the caller throws such a child away.
 """
 

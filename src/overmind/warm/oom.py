@@ -49,8 +49,11 @@ def _set(value: int) -> None:
 def take_score(score: int) -> None:
     """This process at ``score`` for good (a run's child forked ahead: Note [A run's child is forked
     ahead] in overmind.warm.children), or CannotMatch."""
-    if score == own_score():
-        return
+    if score != own_score():
+        _take(score)
+
+
+def _take(score: int) -> None:
     try:
         _set(score)
     except OSError as err:
@@ -73,11 +76,7 @@ def as_caller(score: Optional[int]) -> Iterator[None]:
     if score is None or own is None or score == own:
         yield
         return
-    try:
-        _set(score)
-    except OSError as err:
-        raise CannotMatch(f"cannot give the run its caller's oom_score_adj {score} ({err.strerror}): "
-                          "a warm child would be the OOM killer's first pick") from None
+    _take(score)
     try:
         yield
     finally:
